@@ -1,0 +1,80 @@
+//! A model bundle: the directory `convert` writes and every run reads.
+//!
+//! ```text
+//! config.json           BundleConfig: format version, ModelSpec, generation defaults
+//! resident.safetensors  every non-expert weight (source dtype), memory-mapped at load
+//! experts.bin           the expert store (see `expert_store`)
+//! tokenizer.json        the tokenizer the model was trained with
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use crate::config::BundleConfig;
+use crate::error::{Error, Result};
+use crate::expert_store::ExpertStore;
+use crate::model::SwitchModel;
+use crate::tokenizer::Tokenizer;
+use crate::weights::WeightFiles;
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const RESIDENT_FILE: &str = "resident.safetensors";
+pub const EXPERTS_FILE: &str = "experts.bin";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// An opened bundle: its validated config; weights are loaded on demand.
+pub struct Bundle {
+    dir: PathBuf,
+    pub config: BundleConfig,
+}
+
+impl Bundle {
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "model bundle directory not found (create one with `edgemoe convert --hf DIR --out DIR`)",
+                ),
+            ));
+        }
+        for file in [CONFIG_FILE, RESIDENT_FILE, EXPERTS_FILE, TOKENIZER_FILE] {
+            let path = dir.join(file);
+            if !path.is_file() {
+                return Err(Error::io(
+                    &path,
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "missing from the model bundle",
+                    ),
+                ));
+            }
+        }
+        let config = BundleConfig::load(&dir.join(CONFIG_FILE))?;
+        Ok(Bundle {
+            dir: dir.to_path_buf(),
+            config,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.dir.join(file)
+    }
+
+    pub fn load_model(&self) -> Result<SwitchModel> {
+        let files = WeightFiles::open_file(&self.path(RESIDENT_FILE))?;
+        SwitchModel::load(&self.config.model, &files)
+    }
+
+    pub fn open_store(&self) -> Result<ExpertStore> {
+        ExpertStore::open(&self.path(EXPERTS_FILE), &self.config.model)
+    }
+
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        Tokenizer::load(&self.path(TOKENIZER_FILE))
+    }
+}

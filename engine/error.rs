@@ -1,0 +1,95 @@
+//! The library's one error type. Every variant carries the context a user needs to fix the
+//! problem: which file, which tensor, which expert, what was expected and what was found.
+
+use std::path::PathBuf;
+
+use crate::expert_store::ExpertId;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A file exists but its content is not what the format requires (bad magic, unsupported
+    /// version, truncated, malformed JSON/bincode).
+    #[error("{}: {message}", path.display())]
+    Format { path: PathBuf, message: String },
+
+    /// A well-formed model config that this engine does not implement.
+    #[error("{}: unsupported model: {message}", path.display())]
+    Unsupported { path: PathBuf, message: String },
+
+    /// A tensor that is missing, has the wrong shape or an unsupported dtype.
+    #[error("{}: tensor `{name}`: {message}", path.display())]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        message: String,
+    },
+
+    #[error("{}: {expert}: checksum mismatch (index says {expected:08x}, data gives {actual:08x}); the expert store is corrupted, convert the model again", path.display())]
+    Checksum {
+        path: PathBuf,
+        expert: ExpertId,
+        expected: u32,
+        actual: u32,
+    },
+
+    #[error("memory budget {budget} is too small: resident weights take {resident}, working memory {working}, one expert slot {slot}; the minimum budget is {minimum} ({minimum_bytes} bytes)",
+        budget = crate::budget::format_bytes(*budget_bytes),
+        resident = crate::budget::format_bytes(*resident_bytes),
+        working = crate::budget::format_bytes(*working_bytes),
+        slot = crate::budget::format_bytes(*slot_bytes),
+        minimum = crate::budget::format_bytes(*minimum_bytes))]
+    BudgetTooSmall {
+        budget_bytes: u64,
+        resident_bytes: u64,
+        working_bytes: u64,
+        slot_bytes: u64,
+        minimum_bytes: u64,
+    },
+
+    /// Bad user input: an empty document, an unparsable budget, a JSON line without text.
+    #[error("{0}")]
+    Input(String),
+
+    #[error("{}: tokenizer: {message}", path.display())]
+    Tokenizer { path: PathBuf, message: String },
+
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn format(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::Format {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn tensor(
+        path: impl Into<PathBuf>,
+        name: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        Error::Tensor {
+            path: path.into(),
+            name: name.into(),
+            message: message.into(),
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! EdgeMoE: mixture-of-experts inference for memory-constrained boards.
+//!
+//! Non-expert weights stay resident; experts live in an on-disk expert store and are brought
+//! into a fixed expert buffer sized from a memory budget. The model reaches experts only through
+//! the [`provider::ExpertProvider`] interface, so buffers, policies and baselines are
+//! interchangeable behind it.
+//!
+//! Module map (mirrors `ARCHITECTURE.md`):
+//! - [`config`]: Hugging Face config → validated [`config::ModelSpec`]; generation defaults.
+//! - [`budget`]: memory budget parsing and accounting.
+//! - [`weights`]: the one memory-mapping site; safetensors checkpoints and resident weights.
+//! - [`expert_store`]: the on-disk expert store format (header, index, page-aligned blobs).
+//! - [`convert`]: Hugging Face checkpoint → model bundle.
+//! - [`bundle`]: opening a model bundle.
+//! - [`provider`]: the expert provider interface and the fixed LRU expert buffer behind it.
+//! - [`model`]: Switch Transformers forward pass over shared blocks.
+//! - [`generate`]: greedy decoding and beam search.
+//! - [`tokenizer`], [`summarize`], [`stats`]: the user-facing run.
+
+pub mod budget;
+pub mod bundle;
+pub mod config;
+pub mod convert;
+pub mod error;
+pub mod expert_store;
+pub mod generate;
+pub mod model;
+pub mod provider;
+pub mod stats;
+pub mod summarize;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::{Error, Result};

@@ -1,0 +1,443 @@
+//! Switch Transformers (`SwitchTransformersForConditionalGeneration`): the tensor-name table,
+//! loading the resident weights, the encoder and one incremental decoder step.
+//!
+//! Shapes: `b` = batch (beams), `n` = tokens in the call, `src` = source tokens, `d` = d_model,
+//! `h` = heads, `dk` = d_kv, `V` = vocabulary.
+
+use tch::Tensor;
+
+use super::layers::{dense_act_dense, Attention, RmsNorm};
+use super::moe::{moe_ffn, LayerRoute, Router};
+use crate::config::{ModelSpec, Stack};
+use crate::error::{Error, Result};
+use crate::expert_store::ExpertId;
+use crate::provider::ExpertProvider;
+use crate::weights::WeightFiles;
+
+/// HF name of a block's FF sub-layer prefix, e.g. `decoder.block.3.layer.2`.
+fn ff_prefix(stack: Stack, block: usize) -> String {
+    format!(
+        "{}.block.{block}.layer.{}",
+        stack.hf_prefix(),
+        stack.ff_sublayer()
+    )
+}
+
+/// HF name of one matrix (`wi` or `wo`) of one expert.
+pub fn expert_tensor_name(id: ExpertId, matrix: &str) -> String {
+    format!(
+        "{}.mlp.experts.expert_{}.{matrix}.weight",
+        ff_prefix(id.stack, id.layer as usize),
+        id.expert
+    )
+}
+
+/// Every expert of the model, encoder first, in execution order.
+pub fn all_experts(spec: &ModelSpec) -> Vec<ExpertId> {
+    let mut ids = Vec::new();
+    for stack in [Stack::Encoder, Stack::Decoder] {
+        for layer in spec.moe_blocks(stack) {
+            for expert in 0..spec.num_experts {
+                ids.push(ExpertId {
+                    stack,
+                    layer: layer as u16,
+                    expert: expert as u16,
+                });
+            }
+        }
+    }
+    ids
+}
+
+/// Tensors a checkpoint may hold that the engine does not need: copies of `shared.weight`.
+pub fn redundant_tensors(spec: &ModelSpec) -> Vec<String> {
+    let mut names = vec![
+        "encoder.embed_tokens.weight".to_string(),
+        "decoder.embed_tokens.weight".to_string(),
+    ];
+    if spec.tie_word_embeddings {
+        names.push("lm_head.weight".into());
+    }
+    names
+}
+
+/// Every non-expert tensor with its shape (the resident part of the model).
+pub fn resident_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>)> {
+    let (d, inner, d_ff) = (spec.d_model, spec.inner_dim(), spec.d_ff);
+    let mut t = vec![("shared.weight".to_string(), vec![spec.vocab_size, d])];
+    if !spec.tie_word_embeddings {
+        t.push(("lm_head.weight".into(), vec![spec.vocab_size, d]));
+    }
+    for stack in [Stack::Encoder, Stack::Decoder] {
+        let p = stack.hf_prefix();
+        for block in 0..spec.num_layers(stack) {
+            let mut attention = |sub: usize, module: &str, with_bias: bool| {
+                let a = format!("{p}.block.{block}.layer.{sub}");
+                for proj in ["q", "k", "v"] {
+                    t.push((format!("{a}.{module}.{proj}.weight"), vec![inner, d]));
+                }
+                t.push((format!("{a}.{module}.o.weight"), vec![d, inner]));
+                if with_bias {
+                    t.push((
+                        format!("{a}.{module}.relative_attention_bias.weight"),
+                        vec![spec.relative_attention_num_buckets, spec.num_heads],
+                    ));
+                }
+                t.push((format!("{a}.layer_norm.weight"), vec![d]));
+            };
+            attention(0, "SelfAttention", block == 0);
+            if stack == Stack::Decoder {
+                attention(1, "EncDecAttention", false);
+            }
+            let ff = ff_prefix(stack, block);
+            t.push((format!("{ff}.layer_norm.weight"), vec![d]));
+            if spec.is_sparse(stack, block) {
+                t.push((
+                    format!("{ff}.mlp.router.classifier.weight"),
+                    vec![spec.num_experts, d],
+                ));
+                if spec.router_bias {
+                    t.push((
+                        format!("{ff}.mlp.router.classifier.bias"),
+                        vec![spec.num_experts],
+                    ));
+                }
+            } else {
+                t.push((format!("{ff}.mlp.wi.weight"), vec![d_ff, d]));
+                t.push((format!("{ff}.mlp.wo.weight"), vec![d, d_ff]));
+            }
+        }
+        t.push((format!("{p}.final_layer_norm.weight"), vec![d]));
+    }
+    t
+}
+
+enum FeedForward {
+    Dense { wi: Tensor, wo: Tensor },
+    Sparse(Router),
+}
+
+struct Block {
+    self_attention: Attention,
+    self_attention_norm: RmsNorm,
+    /// Decoder blocks only.
+    cross_attention: Option<(Attention, RmsNorm)>,
+    ff_norm: RmsNorm,
+    ff: FeedForward,
+}
+
+struct StackWeights {
+    stack: Stack,
+    blocks: Vec<Block>,
+    final_norm: RmsNorm,
+}
+
+/// The resident part of a Switch Transformers model; experts come from an [`ExpertProvider`].
+pub struct SwitchModel {
+    spec: ModelSpec,
+    /// `[V, d]` token embeddings (and the LM head when embeddings are tied).
+    shared: Tensor,
+    /// `[V, d]` when embeddings are not tied.
+    lm_head: Option<Tensor>,
+    encoder: StackWeights,
+    decoder: StackWeights,
+    resident_bytes: u64,
+}
+
+/// The decoder's caches for a batch of `b` running sequences.
+pub struct DecoderState {
+    /// Per block: self-attention keys and values `[b, h, len, dk]`.
+    self_kv: Vec<Option<(Tensor, Tensor)>>,
+    /// Per block: cross-attention keys and values over the encoder output `[b, h, src, dk]`.
+    cross_kv: Vec<(Tensor, Tensor)>,
+    /// Tokens already decoded (the position of the next one).
+    len: i64,
+}
+
+impl SwitchModel {
+    /// Loads the resident weights (owned f32 copies) from `files`.
+    pub fn load(spec: &ModelSpec, files: &WeightFiles) -> Result<Self> {
+        let _guard = tch::no_grad_guard();
+        let mut resident_bytes = 0u64;
+        let mut get = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            let t = files.load_f32(name, shape)?;
+            resident_bytes += (t.numel() * 4) as u64;
+            Ok(t)
+        };
+        let (d, inner, d_ff) = (spec.d_model, spec.inner_dim(), spec.d_ff);
+        let shared = get("shared.weight", &[spec.vocab_size, d])?;
+        let lm_head = if spec.tie_word_embeddings {
+            None
+        } else {
+            Some(get("lm_head.weight", &[spec.vocab_size, d])?)
+        };
+        let norm = |t: Tensor| RmsNorm {
+            weight: t,
+            eps: spec.layer_norm_epsilon,
+        };
+        let mut stacks = Vec::new();
+        for stack in [Stack::Encoder, Stack::Decoder] {
+            let p = stack.hf_prefix();
+            let mut blocks = Vec::new();
+            for block in 0..spec.num_layers(stack) {
+                let mut attention =
+                    |sub: usize, module: &str, with_bias: bool| -> Result<(Attention, RmsNorm)> {
+                        let a = format!("{p}.block.{block}.layer.{sub}");
+                        let attention = Attention {
+                            q: get(&format!("{a}.{module}.q.weight"), &[inner, d])?,
+                            k: get(&format!("{a}.{module}.k.weight"), &[inner, d])?,
+                            v: get(&format!("{a}.{module}.v.weight"), &[inner, d])?,
+                            o: get(&format!("{a}.{module}.o.weight"), &[d, inner])?,
+                            relative_attention_bias: if with_bias {
+                                Some(get(
+                                    &format!("{a}.{module}.relative_attention_bias.weight"),
+                                    &[spec.relative_attention_num_buckets, spec.num_heads],
+                                )?)
+                            } else {
+                                None
+                            },
+                            num_heads: spec.num_heads as i64,
+                            d_kv: spec.d_kv as i64,
+                        };
+                        Ok((
+                            attention,
+                            norm(get(&format!("{a}.layer_norm.weight"), &[d])?),
+                        ))
+                    };
+                let (self_attention, self_attention_norm) =
+                    attention(0, "SelfAttention", block == 0)?;
+                let cross_attention = match stack {
+                    Stack::Decoder => Some(attention(1, "EncDecAttention", false)?),
+                    Stack::Encoder => None,
+                };
+                let ff = ff_prefix(stack, block);
+                let ff_norm = norm(get(&format!("{ff}.layer_norm.weight"), &[d])?);
+                let ff = if spec.is_sparse(stack, block) {
+                    FeedForward::Sparse(Router {
+                        weight: get(
+                            &format!("{ff}.mlp.router.classifier.weight"),
+                            &[spec.num_experts, d],
+                        )?,
+                        bias: if spec.router_bias {
+                            Some(get(
+                                &format!("{ff}.mlp.router.classifier.bias"),
+                                &[spec.num_experts],
+                            )?)
+                        } else {
+                            None
+                        },
+                    })
+                } else {
+                    FeedForward::Dense {
+                        wi: get(&format!("{ff}.mlp.wi.weight"), &[d_ff, d])?,
+                        wo: get(&format!("{ff}.mlp.wo.weight"), &[d, d_ff])?,
+                    }
+                };
+                blocks.push(Block {
+                    self_attention,
+                    self_attention_norm,
+                    cross_attention,
+                    ff_norm,
+                    ff,
+                });
+            }
+            let final_norm = norm(get(&format!("{p}.final_layer_norm.weight"), &[d])?);
+            stacks.push(StackWeights {
+                stack,
+                blocks,
+                final_norm,
+            });
+        }
+        let decoder = stacks.pop().expect("two stacks");
+        let encoder = stacks.pop().expect("two stacks");
+        Ok(SwitchModel {
+            spec: spec.clone(),
+            shared,
+            lm_head,
+            encoder,
+            decoder,
+            resident_bytes,
+        })
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Bytes of the resident (non-expert) weights as held in memory (f32).
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
+    }
+
+    fn embed(&self, ids: &[i64], shape: [i64; 2]) -> Result<Tensor> {
+        let vocab = self.spec.vocab_size as i64;
+        if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(Error::Input(format!(
+                "token id {bad} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        let ids = Tensor::f_from_slice(ids)?.f_view(shape)?;
+        Ok(Tensor::f_embedding(&self.shared, &ids, -1, false, false)?)
+    }
+
+    /// The FF sub-layer of a block: `h + ff(norm(h))`.
+    fn feed_forward(
+        &self,
+        stack: &StackWeights,
+        index: usize,
+        h: &Tensor,
+        provider: &mut dyn ExpertProvider,
+        routes: &mut Vec<LayerRoute>,
+    ) -> Result<Tensor> {
+        let block = &stack.blocks[index];
+        let normed = block.ff_norm.forward(h)?;
+        let out = match &block.ff {
+            FeedForward::Dense { wi, wo } => dense_act_dense(&normed, wi, wo)?,
+            FeedForward::Sparse(router) => moe_ffn(
+                &normed,
+                router,
+                stack.stack,
+                index,
+                self.spec.expert_capacity,
+                provider,
+                routes,
+            )?,
+        };
+        Ok(h.f_add(&out)?)
+    }
+
+    /// Runs the encoder over one source sequence: `[n]` ids → `[1, n, d]` hidden states.
+    pub fn encode(
+        &self,
+        input_ids: &[i64],
+        provider: &mut dyn ExpertProvider,
+        routes: &mut Vec<LayerRoute>,
+    ) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        if input_ids.is_empty() {
+            return Err(Error::Input("empty input: no tokens to encode".into()));
+        }
+        let n = input_ids.len() as i64;
+        let mut h = self.embed(input_ids, [1, n])?; // [1, n, d]
+        let bias = self.encoder.blocks[0].self_attention.position_bias(
+            n,
+            n,
+            0,
+            true,
+            self.spec.relative_attention_num_buckets as i64,
+            self.spec.relative_attention_max_distance as i64,
+        )?; // [1, h, n, n]
+        for (index, block) in self.encoder.blocks.iter().enumerate() {
+            let attn = &block.self_attention;
+            let normed = block.self_attention_norm.forward(&h)?;
+            let keys = attn.project(&normed, &attn.k)?;
+            let values = attn.project(&normed, &attn.v)?;
+            h = h.f_add(&attn.attend(&normed, &keys, &values, Some(&bias))?)?;
+            h = self.feed_forward(&self.encoder, index, &h, provider, routes)?;
+        }
+        self.encoder.final_norm.forward(&h)
+    }
+
+    /// Prepares the decoder for `beams` sequences over `encoder_out` `[1, src, d]`.
+    pub fn start_decoder(&self, encoder_out: &Tensor, beams: usize) -> Result<DecoderState> {
+        let _guard = tch::no_grad_guard();
+        // HF expands the encoder output to every beam (`repeat_interleave`) before decoding.
+        let expanded = encoder_out.f_repeat([beams as i64, 1, 1])?;
+        let mut cross_kv = Vec::new();
+        for block in &self.decoder.blocks {
+            let (attn, _) = block
+                .cross_attention
+                .as_ref()
+                .expect("decoder blocks have cross-attention");
+            cross_kv.push((
+                attn.project(&expanded, &attn.k)?,
+                attn.project(&expanded, &attn.v)?,
+            ));
+        }
+        Ok(DecoderState {
+            self_kv: (0..self.decoder.blocks.len()).map(|_| None).collect(),
+            cross_kv,
+            len: 0,
+        })
+    }
+
+    /// Feeds one token per sequence (`[b]` ids) and returns the next-token logits `[b, V]`.
+    pub fn decode_step(
+        &self,
+        tokens: &[i64],
+        state: &mut DecoderState,
+        provider: &mut dyn ExpertProvider,
+        routes: &mut Vec<LayerRoute>,
+    ) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let b = tokens.len() as i64;
+        let mut h = self.embed(tokens, [b, 1])?; // [b, 1, d]
+        let bias = self.decoder.blocks[0].self_attention.position_bias(
+            1,
+            state.len + 1,
+            state.len,
+            false,
+            self.spec.relative_attention_num_buckets as i64,
+            self.spec.relative_attention_max_distance as i64,
+        )?; // [1, h, 1, len + 1]
+        for (index, block) in self.decoder.blocks.iter().enumerate() {
+            let attn = &block.self_attention;
+            let normed = block.self_attention_norm.forward(&h)?;
+            let new_k = attn.project(&normed, &attn.k)?; // [b, h, 1, dk]
+            let new_v = attn.project(&normed, &attn.v)?;
+            let (keys, values) = match state.self_kv[index].take() {
+                Some((k, v)) => (
+                    Tensor::f_cat(&[k, new_k], 2)?,
+                    Tensor::f_cat(&[v, new_v], 2)?,
+                ),
+                None => (new_k, new_v),
+            };
+            h = h.f_add(&attn.attend(&normed, &keys, &values, Some(&bias))?)?;
+            state.self_kv[index] = Some((keys, values));
+
+            let (cross, cross_norm) = block
+                .cross_attention
+                .as_ref()
+                .expect("decoder blocks have cross-attention");
+            let (ck, cv) = &state.cross_kv[index];
+            let normed = cross_norm.forward(&h)?;
+            h = h.f_add(&cross.attend(&normed, ck, cv, None)?)?;
+
+            h = self.feed_forward(&self.decoder, index, &h, provider, routes)?;
+        }
+        state.len += 1;
+        let mut h = self.decoder.final_norm.forward(&h)?;
+        let head = match &self.lm_head {
+            Some(head) => head,
+            None => {
+                // Tied embeddings: rescale before projecting on the vocabulary (Mesh TF).
+                h = h.f_mul_scalar((self.spec.d_model as f64).powf(-0.5))?;
+                &self.shared
+            }
+        };
+        let logits = h.f_linear::<&Tensor>(head, None)?; // [b, 1, V]
+        Ok(logits.f_reshape([b, self.spec.vocab_size as i64])?)
+    }
+
+    /// Keeps the caches of sequences `beam_idx` (`[b]`, indices into the current batch).
+    pub fn reorder(&self, state: &mut DecoderState, beam_idx: &[i64]) -> Result<()> {
+        let idx = Tensor::f_from_slice(beam_idx)?;
+        for kv in state.self_kv.iter_mut().flatten() {
+            *kv = (kv.0.f_index_select(0, &idx)?, kv.1.f_index_select(0, &idx)?);
+        }
+        for kv in state.cross_kv.iter_mut() {
+            *kv = (kv.0.f_index_select(0, &idx)?, kv.1.f_index_select(0, &idx)?);
+        }
+        Ok(())
+    }
+}
+
+impl DecoderState {
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

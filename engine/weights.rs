@@ -1,0 +1,248 @@
+//! Weight files: the one place that memory-maps, reading safetensors files (a Hugging Face
+//! checkpoint, single or sharded, or a bundle's `resident.safetensors`).
+//!
+//! Resident weights are *copied* out of the map into owned f32 tensors at load time: the engine
+//! computes in f32, the copy lets the map (and its page-cache pages) go once loading is done, and
+//! owned anonymous memory is never evicted by the kernel the way clean file-backed pages are
+//! (boards run without swap, so resident weights stay in RAM).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+
+/// Element type of a stored weight, as the engine names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum WeightDtype {
+    F32,
+    F16,
+    BF16,
+}
+
+impl WeightDtype {
+    pub fn from_safetensors(dtype: Dtype) -> Option<Self> {
+        match dtype {
+            Dtype::F32 => Some(WeightDtype::F32),
+            Dtype::F16 => Some(WeightDtype::F16),
+            Dtype::BF16 => Some(WeightDtype::BF16),
+            _ => None,
+        }
+    }
+
+    pub fn to_safetensors(self) -> Dtype {
+        match self {
+            WeightDtype::F32 => Dtype::F32,
+            WeightDtype::F16 => Dtype::F16,
+            WeightDtype::BF16 => Dtype::BF16,
+        }
+    }
+
+    pub fn kind(self) -> Kind {
+        match self {
+            WeightDtype::F32 => Kind::Float,
+            WeightDtype::F16 => Kind::Half,
+            WeightDtype::BF16 => Kind::BFloat16,
+        }
+    }
+
+    pub fn size_bytes(self) -> usize {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::F16 | WeightDtype::BF16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::F16 => "f16",
+            WeightDtype::BF16 => "bf16",
+        }
+    }
+}
+
+/// One memory-mapped safetensors file and its parsed header.
+struct MappedFile {
+    path: PathBuf,
+    map: Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+impl MappedFile {
+    fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the map is read-only and lives as long as this struct. Files under a model
+        // directory are not expected to change while the engine runs; if one is truncated
+        // concurrently, reads may fault, which is the documented risk of every mmap loader.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map)
+            .map_err(|e| Error::format(path, format!("not a valid safetensors file: {e}")))?;
+        Ok(MappedFile {
+            path: path.to_path_buf(),
+            map,
+            header_len,
+            metadata,
+        })
+    }
+
+    fn bytes(&self, name: &str) -> Option<(&[u8], Dtype, &[usize])> {
+        let info = self.metadata.info(name)?;
+        let start = 8 + self.header_len + info.data_offsets.0;
+        let end = 8 + self.header_len + info.data_offsets.1;
+        Some((&self.map[start..end], info.dtype, &info.shape))
+    }
+}
+
+/// A borrowed view of one stored tensor.
+pub struct TensorBytes<'a> {
+    pub name: &'a str,
+    pub path: &'a Path,
+    pub dtype: WeightDtype,
+    pub shape: &'a [usize],
+    pub data: &'a [u8],
+}
+
+/// A set of safetensors files addressed by tensor name.
+pub struct WeightFiles {
+    files: Vec<MappedFile>,
+    location: HashMap<String, usize>,
+}
+
+impl WeightFiles {
+    /// Opens a single safetensors file.
+    pub fn open_file(path: &Path) -> Result<Self> {
+        let file = MappedFile::open(path)?;
+        let location = file
+            .metadata
+            .tensors()
+            .into_keys()
+            .map(|name| (name, 0))
+            .collect();
+        Ok(WeightFiles {
+            files: vec![file],
+            location,
+        })
+    }
+
+    /// Opens a Hugging Face checkpoint directory: `model.safetensors`, or the shards listed in
+    /// `model.safetensors.index.json`.
+    pub fn open_hf_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        if single.exists() {
+            return Self::open_file(&single);
+        }
+        if !index_path.exists() {
+            return Err(Error::io(
+                &single,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no model.safetensors (nor model.safetensors.index.json for a sharded checkpoint)",
+                ),
+            ));
+        }
+        #[derive(serde::Deserialize)]
+        struct ShardIndex {
+            weight_map: BTreeMap<String, String>,
+        }
+        let index: ShardIndex = crate::config::read_json(&index_path)?;
+        let mut shard_names: Vec<&String> = index.weight_map.values().collect();
+        shard_names.sort();
+        shard_names.dedup();
+        let mut files = Vec::new();
+        let mut shard_of = HashMap::new();
+        for name in shard_names {
+            if name.contains('/') || name.contains("..") {
+                return Err(Error::format(
+                    &index_path,
+                    format!("shard name `{name}` must be a file in the checkpoint directory"),
+                ));
+            }
+            shard_of.insert(name.clone(), files.len());
+            files.push(MappedFile::open(&dir.join(name))?);
+        }
+        let mut location = HashMap::new();
+        for (tensor, shard) in &index.weight_map {
+            let i = shard_of[shard];
+            if files[i].metadata.info(tensor).is_none() {
+                return Err(Error::tensor(
+                    &files[i].path,
+                    tensor,
+                    "listed in model.safetensors.index.json but not in this shard",
+                ));
+            }
+            location.insert(tensor.clone(), i);
+        }
+        Ok(WeightFiles { files, location })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.location.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.location.keys().map(String::as_str)
+    }
+
+    /// Where a missing tensor would have been looked for (for error messages).
+    pub fn describe(&self) -> PathBuf {
+        match self.files.as_slice() {
+            [one] => one.path.clone(),
+            [first, ..] => first.path.parent().unwrap_or(&first.path).to_path_buf(),
+            [] => PathBuf::from("<no weight files>"),
+        }
+    }
+
+    /// The raw bytes of `name`, checked against `expected_shape`.
+    pub fn get(&self, name: &str, expected_shape: &[usize]) -> Result<TensorBytes<'_>> {
+        let Some((key, &i)) = self.location.get_key_value(name) else {
+            return Err(Error::tensor(self.describe(), name, "missing"));
+        };
+        let file = &self.files[i];
+        let (data, dtype, shape) = file
+            .bytes(name)
+            .ok_or_else(|| Error::tensor(&file.path, name, "missing"))?;
+        let dtype = WeightDtype::from_safetensors(dtype).ok_or_else(|| {
+            Error::tensor(
+                &file.path,
+                name,
+                format!("dtype {dtype:?} (expected F32, F16 or BF16)"),
+            )
+        })?;
+        if shape != expected_shape {
+            return Err(Error::tensor(
+                &file.path,
+                name,
+                format!("shape {shape:?}, expected {expected_shape:?}"),
+            ));
+        }
+        Ok(TensorBytes {
+            name: key.as_str(),
+            path: &file.path,
+            dtype,
+            shape,
+            data,
+        })
+    }
+
+    /// Loads `name` as an owned f32 tensor of `expected_shape`.
+    pub fn load_f32(&self, name: &str, expected_shape: &[usize]) -> Result<Tensor> {
+        let bytes = self.get(name, expected_shape)?;
+        bytes.to_f32_tensor()
+    }
+}
+
+impl TensorBytes<'_> {
+    /// An owned f32 copy (f16/bf16 are widened exactly).
+    pub fn to_f32_tensor(&self) -> Result<Tensor> {
+        let shape: Vec<i64> = self.shape.iter().map(|&d| d as i64).collect();
+        let stored = Tensor::f_from_data_size(self.data, &shape, self.dtype.kind())?;
+        Ok(stored.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?)
+    }
+}
