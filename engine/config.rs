@@ -110,6 +110,13 @@ pub struct ModelSpec {
     pub relative_attention_max_distance: usize,
     pub layer_norm_epsilon: f64,
     pub tie_word_embeddings: bool,
+    /// The encoder has its own `encoder.embed_tokens.weight` (untied checkpoints of
+    /// transformers 5.x); otherwise it embeds with `shared.weight`.
+    #[serde(default)]
+    pub separate_encoder_embeddings: bool,
+    /// Same for the decoder (`decoder.embed_tokens.weight`).
+    #[serde(default)]
+    pub separate_decoder_embeddings: bool,
 }
 
 /// How the engine decodes by default (from the checkpoint's generation config).
@@ -231,6 +238,8 @@ impl ModelSpec {
             relative_attention_max_distance: hf.relative_attention_max_distance,
             layer_norm_epsilon: hf.layer_norm_epsilon,
             tie_word_embeddings: hf.tie_word_embeddings,
+            separate_encoder_embeddings: false,
+            separate_decoder_embeddings: false,
         })
     }
 
@@ -266,6 +275,13 @@ impl ModelSpec {
     /// Width of the attention projections (`num_heads × d_kv`).
     pub fn inner_dim(&self) -> usize {
         self.num_heads * self.d_kv
+    }
+
+    pub fn separate_embeddings(&self, stack: Stack) -> bool {
+        match stack {
+            Stack::Encoder => self.separate_encoder_embeddings,
+            Stack::Decoder => self.separate_decoder_embeddings,
+        }
     }
 }
 

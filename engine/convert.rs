@@ -71,13 +71,19 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
         ));
     }
     let mut config = read_hf_config(hf_dir)?;
-    let spec = config.model.clone();
     let tokenizer_path = options
         .tokenizer
         .clone()
         .unwrap_or_else(|| hf_dir.join("tokenizer.json"));
     Tokenizer::load(&tokenizer_path)?;
     let files = WeightFiles::open_hf_dir(hf_dir)?;
+    // Untied transformers 5.x checkpoints give each stack its own embedding table.
+    let untied = !config.model.tie_word_embeddings;
+    config.model.separate_encoder_embeddings =
+        untied && files.contains("encoder.embed_tokens.weight");
+    config.model.separate_decoder_embeddings =
+        untied && files.contains("decoder.embed_tokens.weight");
+    let spec = config.model.clone();
 
     let resident = resident_tensors(&spec);
     let experts = all_experts(&spec);

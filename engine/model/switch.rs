@@ -51,14 +51,20 @@ pub fn all_experts(spec: &ModelSpec) -> Vec<ExpertId> {
 
 /// Tensors a checkpoint may hold that the engine does not need: copies of `shared.weight`.
 pub fn redundant_tensors(spec: &ModelSpec) -> Vec<String> {
-    let mut names = vec![
-        "encoder.embed_tokens.weight".to_string(),
-        "decoder.embed_tokens.weight".to_string(),
-    ];
+    let mut names = Vec::new();
+    for stack in [Stack::Encoder, Stack::Decoder] {
+        if !spec.separate_embeddings(stack) {
+            names.push(embed_tokens_name(stack));
+        }
+    }
     if spec.tie_word_embeddings {
         names.push("lm_head.weight".into());
     }
     names
+}
+
+fn embed_tokens_name(stack: Stack) -> String {
+    format!("{}.embed_tokens.weight", stack.hf_prefix())
 }
 
 /// Every non-expert tensor with its shape (the resident part of the model).
@@ -70,6 +76,9 @@ pub fn resident_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>)> {
     }
     for stack in [Stack::Encoder, Stack::Decoder] {
         let p = stack.hf_prefix();
+        if spec.separate_embeddings(stack) {
+            t.push((embed_tokens_name(stack), vec![spec.vocab_size, d]));
+        }
         for block in 0..spec.num_layers(stack) {
             let mut attention = |sub: usize, module: &str, with_bias: bool| {
                 let a = format!("{p}.block.{block}.layer.{sub}");
@@ -128,6 +137,8 @@ struct Block {
 
 struct StackWeights {
     stack: Stack,
+    /// `[V, d]` own token embeddings, when the checkpoint does not share `shared.weight`.
+    embed_tokens: Option<Tensor>,
     blocks: Vec<Block>,
     final_norm: RmsNorm,
 }
@@ -178,6 +189,11 @@ impl SwitchModel {
         let mut stacks = Vec::new();
         for stack in [Stack::Encoder, Stack::Decoder] {
             let p = stack.hf_prefix();
+            let embed_tokens = if spec.separate_embeddings(stack) {
+                Some(get(&embed_tokens_name(stack), &[spec.vocab_size, d])?)
+            } else {
+                None
+            };
             let mut blocks = Vec::new();
             for block in 0..spec.num_layers(stack) {
                 let mut attention =
@@ -244,6 +260,7 @@ impl SwitchModel {
             let final_norm = norm(get(&format!("{p}.final_layer_norm.weight"), &[d])?);
             stacks.push(StackWeights {
                 stack,
+                embed_tokens,
                 blocks,
                 final_norm,
             });
@@ -269,7 +286,7 @@ impl SwitchModel {
         self.resident_bytes
     }
 
-    fn embed(&self, ids: &[i64], shape: [i64; 2]) -> Result<Tensor> {
+    fn embed(&self, stack: &StackWeights, ids: &[i64], shape: [i64; 2]) -> Result<Tensor> {
         let vocab = self.spec.vocab_size as i64;
         if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= vocab) {
             return Err(Error::Input(format!(
@@ -277,7 +294,8 @@ impl SwitchModel {
             )));
         }
         let ids = Tensor::f_from_slice(ids)?.f_view(shape)?;
-        Ok(Tensor::f_embedding(&self.shared, &ids, -1, false, false)?)
+        let table = stack.embed_tokens.as_ref().unwrap_or(&self.shared);
+        Ok(Tensor::f_embedding(table, &ids, -1, false, false)?)
     }
 
     /// The FF sub-layer of a block: `h + ff(norm(h))`.
@@ -318,7 +336,7 @@ impl SwitchModel {
             return Err(Error::Input("empty input: no tokens to encode".into()));
         }
         let n = input_ids.len() as i64;
-        let mut h = self.embed(input_ids, [1, n])?; // [1, n, d]
+        let mut h = self.embed(&self.encoder, input_ids, [1, n])?; // [1, n, d]
         let bias = self.encoder.blocks[0].self_attention.position_bias(
             n,
             n,
@@ -371,7 +389,7 @@ impl SwitchModel {
     ) -> Result<Tensor> {
         let _guard = tch::no_grad_guard();
         let b = tokens.len() as i64;
-        let mut h = self.embed(tokens, [b, 1])?; // [b, 1, d]
+        let mut h = self.embed(&self.decoder, tokens, [b, 1])?; // [b, 1, d]
         let bias = self.decoder.blocks[0].self_attention.position_bias(
             1,
             state.len + 1,

@@ -1,0 +1,48 @@
+//! Shared helpers of the integration tests: fixture paths and converting fixtures to bundles.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use edgemoe::convert::{convert, ConvertOptions};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    root().join("tests/fixtures").join(name)
+}
+
+/// The demo checkpoint committed with the repository.
+pub fn demo_checkpoint() -> PathBuf {
+    root().join("models/switch-samsum-tiny")
+}
+
+/// The T5 tokenizer (the demo checkpoint's copy), for fixtures that have none.
+pub fn t5_tokenizer() -> PathBuf {
+    demo_checkpoint().join("tokenizer.json")
+}
+
+/// `../shared/data/samsum/<split>.jsonl`, beside the repository.
+pub fn samsum(split: &str) -> PathBuf {
+    root()
+        .join("../shared/data/samsum")
+        .join(format!("{split}.jsonl"))
+}
+
+/// Converts a Hugging Face directory into a bundle inside `dir`.
+pub fn convert_to(hf: &Path, dir: &Path) -> PathBuf {
+    let out = dir.join("bundle");
+    convert(&ConvertOptions {
+        hf_dir: hf.to_path_buf(),
+        out_dir: out.clone(),
+        tokenizer: Some(t5_tokenizer()),
+        show_progress: false,
+    })
+    .unwrap_or_else(|e| panic!("converting {}: {e}", hf.display()));
+    out
+}
+
+pub fn edgemoe() -> std::process::Command {
+    std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
+}
