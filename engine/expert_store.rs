@@ -351,7 +351,7 @@ impl ExpertStore {
                     ),
                 ));
             }
-            let end = entry.offset.checked_add(entry.length).unwrap_or(u64::MAX);
+            let end = entry.offset.saturating_add(entry.length);
             if end > file_len {
                 return Err(Error::format(
                     path,

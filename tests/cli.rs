@@ -1,0 +1,511 @@
+//! The `edgemoe` binary end to end: convert, summarize, inspect, and a clear error with a
+//! non-zero exit (never a panic) for each kind of bad input.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+
+use edgemoe::bundle::EXPERTS_FILE;
+use edgemoe::config::{ModelSpec, Stack};
+use edgemoe::expert_store::{ExpertId, ExpertStore};
+use edgemoe::Error;
+
+fn run(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = common::edgemoe()
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.unwrap_or("").as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Asserts a clean failure: exit code 1, one `error:` line mentioning every `needle`, no panic.
+fn assert_fails(out: &Output, needles: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert!(err.starts_with("error: "), "stderr: {err}");
+    for needle in needles {
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+    }
+}
+
+fn demo_bundle(dir: &Path) -> PathBuf {
+    common::convert_to(&common::demo_checkpoint(), dir)
+}
+
+fn first_dialogue() -> String {
+    let text = std::fs::read_to_string(common::samsum("test")).unwrap();
+    text.lines().next().unwrap().to_string()
+}
+
+fn expected_first_ids() -> Vec<i64> {
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("samsum_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    serde_json::from_value(golden["rows"][0]["output_ids"].clone()).unwrap()
+}
+
+#[test]
+fn convert_summarize_and_inspect() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("demo");
+    let hf = common::demo_checkpoint();
+    let out = run(
+        &[
+            "convert",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--out",
+            bundle.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let stats_path = dir.path().join("stats.json");
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--budget",
+            "1GiB",
+            "--stats-json",
+            stats_path.to_str().unwrap(),
+            "--ids",
+        ],
+        Some(&first_dialogue()),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let printed: Vec<i64> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(printed, expected_first_ids());
+    assert!(stderr(&out).contains("tokens/s") && stderr(&out).contains("hit ratio"));
+
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats_path).unwrap()).unwrap();
+    for key in [
+        "tokens_generated",
+        "decode_ms_per_token",
+        "hit_ratio",
+        "bytes_read",
+        "peak_rss_bytes",
+        "resident_bytes",
+        "buffer_bytes",
+        "output_ids",
+    ] {
+        assert!(stats.get(key).is_some(), "stats lack `{key}`: {stats}");
+    }
+    assert_eq!(stats["tokens_generated"], printed.len());
+    assert_eq!(stats["output_ids"][0], serde_json::json!(printed));
+    assert!(stats["bytes_read"].as_u64().unwrap() > 0);
+    let budget = stats["budget_bytes"].as_u64().unwrap();
+    let used = stats["resident_bytes"].as_u64().unwrap()
+        + stats["working_bytes"].as_u64().unwrap()
+        + stats["buffer_bytes"].as_u64().unwrap();
+    assert!(used <= budget);
+
+    // Text output, plain-text input, beam search.
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--beams",
+            "3",
+            "-q",
+        ],
+        Some("Anna: are we meeting at 5?\nBob: yes, at the cinema.\n"),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!String::from_utf8(out.stdout).unwrap().trim().is_empty());
+
+    let out = run(&["inspect", bundle.to_str().unwrap()], None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("64 experts") && text.contains("64 × f16 (16 bits)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn json_lines_give_one_summary_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(
+        &input,
+        "{\"dialogue\": \"A: hi\\nB: hello\"}\n{\"document\": \"Tom: I'm late.\"}\n",
+    )
+    .unwrap();
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+            "-q",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(String::from_utf8(out.stdout).unwrap().lines().count(), 2);
+}
+
+#[test]
+fn missing_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nothing-here");
+    let out = run(
+        &["summarize", "--model", missing.to_str().unwrap()],
+        Some("hi"),
+    );
+    assert_fails(&out, &["nothing-here", "not found"]);
+
+    let bundle = demo_bundle(dir.path());
+    std::fs::remove_file(bundle.join("resident.safetensors")).unwrap();
+    let out = run(
+        &["summarize", "--model", bundle.to_str().unwrap()],
+        Some("hi"),
+    );
+    assert_fails(&out, &["resident.safetensors", "missing"]);
+
+    let out = run(
+        &[
+            "convert",
+            "--hf",
+            missing.to_str().unwrap(),
+            "--out",
+            dir.path().join("o").to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["nothing-here", "not found"]);
+
+    let input = dir.path().join("absent.txt");
+    let bundle = demo_bundle(&dir.path().join("b2"));
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["absent.txt"]);
+}
+
+#[test]
+fn wrong_magic_and_version_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let store = bundle.join(EXPERTS_FILE);
+    let mut bytes = std::fs::read(&store).unwrap();
+    bytes[8] = 99; // format version
+    std::fs::write(&store, &bytes).unwrap();
+    let out = run(
+        &["summarize", "--model", bundle.to_str().unwrap()],
+        Some("hi"),
+    );
+    assert_fails(&out, &["experts.bin", "version 99"]);
+
+    bytes[0] = b'X'; // magic
+    std::fs::write(&store, &bytes).unwrap();
+    let out = run(
+        &["summarize", "--model", bundle.to_str().unwrap()],
+        Some("hi"),
+    );
+    assert_fails(&out, &["experts.bin", "bad magic"]);
+
+    let config = bundle.join("config.json");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("\"format_version\": 1", "\"format_version\": 7");
+    std::fs::write(&config, text).unwrap();
+    let out = run(&["inspect", bundle.to_str().unwrap()], None);
+    assert_fails(&out, &["config.json", "format version 7"]);
+
+    std::fs::write(&config, "{ not json").unwrap();
+    let out = run(&["inspect", bundle.to_str().unwrap()], None);
+    assert_fails(&out, &["config.json", "invalid JSON"]);
+}
+
+#[test]
+fn truncated_store_names_the_first_missing_expert() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let store = bundle.join(EXPERTS_FILE);
+    let len = std::fs::metadata(&store).unwrap().len();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&store)
+        .unwrap();
+    file.set_len(len - 300_000).unwrap();
+    let out = run(
+        &["summarize", "--model", bundle.to_str().unwrap()],
+        Some("hi"),
+    );
+    assert_fails(
+        &out,
+        &["experts.bin", "truncated", "expert 7 of decoder block 3"],
+    );
+
+    file.set_len(10).unwrap();
+    let out = run(&["inspect", bundle.to_str().unwrap()], None);
+    assert_fails(&out, &["experts.bin", "truncated"]);
+}
+
+fn spec_of(bundle: &Path) -> ModelSpec {
+    edgemoe::bundle::Bundle::open(bundle).unwrap().config.model
+}
+
+fn flip_byte_of(bundle: &Path, id: ExpertId) {
+    let store = ExpertStore::open(&bundle.join(EXPERTS_FILE), &spec_of(bundle)).unwrap();
+    let offset = store.entry(id).unwrap().offset + 1000;
+    drop(store);
+    let path = bundle.join(EXPERTS_FILE);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[offset as usize] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+}
+
+#[test]
+fn flipped_byte_is_reported_naming_the_expert_when_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let spec = spec_of(&bundle);
+    let victim = ExpertId {
+        stack: Stack::Decoder,
+        layer: 2,
+        expert: 5,
+    };
+    flip_byte_of(&bundle, victim);
+    // Opening still works (checksums are verified on read); other experts read fine.
+    let store = ExpertStore::open(&bundle.join(EXPERTS_FILE), &spec).unwrap();
+    let mut slot = vec![0u8; store.max_padded_expert_bytes() as usize];
+    store
+        .read_expert(
+            ExpertId {
+                expert: 4,
+                ..victim
+            },
+            &mut slot,
+        )
+        .unwrap();
+    match store.read_expert(victim, &mut slot) {
+        Err(Error::Checksum { expert, .. }) => assert_eq!(expert, victim),
+        other => panic!("expected a checksum error, got {other:?}"),
+    }
+
+    // Through the CLI: corrupt every expert of encoder block 0, which every input uses.
+    for expert in 0..spec.num_experts as u16 {
+        flip_byte_of(
+            &bundle,
+            ExpertId {
+                stack: Stack::Encoder,
+                layer: 0,
+                expert,
+            },
+        );
+    }
+    let out = run(
+        &["summarize", "--model", bundle.to_str().unwrap()],
+        Some("Anna: hi"),
+    );
+    assert_fails(
+        &out,
+        &["experts.bin", "checksum mismatch", "of encoder block 0"],
+    );
+}
+
+fn hf_copy(dir: &Path) -> PathBuf {
+    let copy = dir.join("hf");
+    std::fs::create_dir_all(&copy).unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ] {
+        std::fs::copy(common::demo_checkpoint().join(f), copy.join(f)).unwrap();
+    }
+    copy
+}
+
+fn edit_config(hf: &Path, from: &str, to: &str) {
+    let path = hf.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(from));
+    std::fs::write(&path, text.replace(from, to)).unwrap();
+}
+
+#[test]
+fn unsupported_or_mismatched_configs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = hf_copy(dir.path());
+    let out_dir = dir.path().join("out");
+    let convert = |hf: &Path| {
+        run(
+            &[
+                "convert",
+                "--hf",
+                hf.to_str().unwrap(),
+                "--out",
+                out_dir.to_str().unwrap(),
+            ],
+            None,
+        )
+    };
+
+    edit_config(&hf, "\"switch_transformers\"", "\"llama\"");
+    assert_fails(&convert(&hf), &["config.json", "unsupported", "llama"]);
+    edit_config(&hf, "\"llama\"", "\"switch_transformers\"");
+
+    edit_config(
+        &hf,
+        "\"dense_act_fn\": \"relu\"",
+        "\"dense_act_fn\": \"gelu_new\"",
+    );
+    assert_fails(&convert(&hf), &["config.json", "gelu_new"]);
+    edit_config(
+        &hf,
+        "\"dense_act_fn\": \"gelu_new\"",
+        "\"dense_act_fn\": \"relu\"",
+    );
+
+    // A config that promises more experts than the weights hold.
+    edit_config(&hf, "\"num_experts\": 8", "\"num_experts\": 9");
+    assert_fails(
+        &convert(&hf),
+        &[
+            "router.classifier.weight",
+            "shape [8, 256], expected [9, 256]",
+        ],
+    );
+    edit_config(&hf, "\"num_experts\": 9", "\"num_experts\": 8");
+
+    // And one with fewer experts leaves tensors unaccounted for.
+    edit_config(&hf, "\"num_experts\": 8", "\"num_experts\": 4");
+    assert_fails(
+        &convert(&hf),
+        &["expert_4", "the config and the weights disagree"],
+    );
+    edit_config(&hf, "\"num_experts\": 4", "\"num_experts\": 8");
+
+    edit_config(&hf, "\"d_ff\": 512", "\"d_ff\": 256");
+    assert_fails(&convert(&hf), &["shape [512, 256], expected [256, 256]"]);
+    edit_config(&hf, "\"d_ff\": 256", "\"d_ff\": 512");
+
+    // A checkpoint missing one expert tensor names it.
+    let weights = hf.join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    let all = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let gone = "decoder.block.1.layer.2.mlp.experts.expert_3.wo.weight";
+    let kept: Vec<_> = all
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != gone)
+        .collect();
+    let pruned = safetensors::serialize(kept, None).unwrap();
+    std::fs::write(&weights, pruned).unwrap();
+    assert_fails(&convert(&hf), &[gone, "missing"]);
+
+    std::fs::write(
+        hf.join("model.safetensors"),
+        b"\x08\x00\x00\x00\x00\x00\x00\x00{}",
+    )
+    .unwrap();
+    assert_fails(&convert(&hf), &["model.safetensors"]);
+    std::fs::write(hf.join("model.safetensors"), b"garbage").unwrap();
+    assert_fails(
+        &convert(&hf),
+        &["model.safetensors", "not a valid safetensors file"],
+    );
+}
+
+#[test]
+fn budget_too_small_says_the_minimum() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--budget",
+            "20MiB",
+        ],
+        Some("Anna: hi"),
+    );
+    assert_fails(
+        &out,
+        &["budget 20.0 MiB is too small", "the minimum budget is"],
+    );
+
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--budget",
+            "lots",
+        ],
+        Some("Anna: hi"),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("invalid size `lots`"));
+}
+
+#[test]
+fn empty_input_and_bad_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let out = run(
+        &["summarize", "--model", bundle.to_str().unwrap()],
+        Some("  \n\n"),
+    );
+    assert_fails(&out, &["empty input", "standard input"]);
+
+    let out = run(
+        &["summarize", "--model", bundle.to_str().unwrap()],
+        Some("{\"summary\": \"no dialogue here\"}\n"),
+    );
+    assert_fails(&out, &["line 1", "dialogue"]);
+
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--beams",
+            "0",
+        ],
+        Some("x"),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let out = run(&["summarize", "--no-such-flag"], Some("x"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!stderr(&out).contains("panicked"));
+}
