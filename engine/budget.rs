@@ -101,26 +101,33 @@ pub struct BudgetPlan {
 }
 
 impl BudgetPlan {
-    /// Fits as many slots as the budget allows, but no more than there are experts.
+    /// Fits as many slots as the budget allows, but no more than there are experts; or exactly
+    /// `requested_slots` if given (an error if the budget cannot hold them).
     pub fn new(
         budget_bytes: u64,
         resident_bytes: u64,
         working_bytes: u64,
         slot_bytes: u64,
         total_experts: usize,
+        requested_slots: Option<usize>,
     ) -> Result<Self> {
-        let minimum_bytes = resident_bytes + working_bytes + slot_bytes;
+        let need = requested_slots.unwrap_or(1).max(1);
+        let minimum_bytes = resident_bytes + working_bytes + need as u64 * slot_bytes;
         if budget_bytes < minimum_bytes || slot_bytes == 0 {
             return Err(Error::BudgetTooSmall {
                 budget_bytes,
                 resident_bytes,
                 working_bytes,
                 slot_bytes,
+                slots: need,
                 minimum_bytes,
             });
         }
         let free = budget_bytes - resident_bytes - working_bytes;
-        let slots = ((free / slot_bytes) as usize).clamp(1, total_experts.max(1));
+        let slots = match requested_slots {
+            Some(n) => n.max(1),
+            None => ((free / slot_bytes) as usize).clamp(1, total_experts.max(1)),
+        };
         Ok(BudgetPlan {
             budget_bytes,
             resident_bytes,
@@ -160,13 +167,25 @@ mod tests {
 
     #[test]
     fn plan_fits_slots_and_reports_minimum() {
-        let plan = BudgetPlan::new(10_000, 4_000, 1_000, 1_000, 64).unwrap();
+        let plan = BudgetPlan::new(10_000, 4_000, 1_000, 1_000, 64, None).unwrap();
         assert_eq!(plan.slots, 5);
         assert_eq!(plan.buffer_bytes(), 5_000);
-        let capped = BudgetPlan::new(1_000_000, 4_000, 1_000, 1_000, 3).unwrap();
+        let capped = BudgetPlan::new(1_000_000, 4_000, 1_000, 1_000, 3, None).unwrap();
         assert_eq!(capped.slots, 3);
-        match BudgetPlan::new(5_999, 4_000, 1_000, 1_000, 64) {
+        match BudgetPlan::new(5_999, 4_000, 1_000, 1_000, 64, None) {
             Err(Error::BudgetTooSmall { minimum_bytes, .. }) => assert_eq!(minimum_bytes, 6_000),
+            other => panic!("expected BudgetTooSmall, got {other:?}"),
+        }
+        let exact = BudgetPlan::new(10_000, 4_000, 1_000, 1_000, 64, Some(3)).unwrap();
+        assert_eq!(exact.slots, 3);
+        match BudgetPlan::new(10_000, 4_000, 1_000, 1_000, 64, Some(6)) {
+            Err(Error::BudgetTooSmall {
+                minimum_bytes,
+                slots,
+                ..
+            }) => {
+                assert_eq!((minimum_bytes, slots), (11_000, 6))
+            }
             other => panic!("expected BudgetTooSmall, got {other:?}"),
         }
     }

@@ -8,11 +8,18 @@ use clap::{Args, Parser, Subcommand};
 
 use edgemoe::budget::{format_bytes, parse_bytes};
 use edgemoe::bundle::{Bundle, EXPERTS_FILE, RESIDENT_FILE};
+use edgemoe::cache::replay::{replay, ReplayResult};
+use edgemoe::cache::trace::read_trace;
+use edgemoe::cache::Policy;
+use edgemoe::calibrate::{build_dictionary, collect_paths, report};
 use edgemoe::config::Stack;
 use edgemoe::convert::{convert, ConvertOptions};
+use edgemoe::expert_store::StorageMode;
 use edgemoe::generate::DecodeOptions;
+use edgemoe::paths::PATHS_FILE;
+use edgemoe::provider::ExpertProvider;
 use edgemoe::stats::RunStats;
-use edgemoe::summarize::{parse_documents, RunOptions, Summarizer};
+use edgemoe::summarize::{parse_documents, CacheOptions, RunOptions, Summarizer};
 use edgemoe::Error;
 
 /// Where `./setup.sh` puts the converted demo model; the default `--model`.
@@ -37,6 +44,10 @@ enum Command {
     Summarize(SummarizeArgs),
     /// Show a bundle's shape, resident and expert sizes, and expert bit widths.
     Inspect(InspectArgs),
+    /// Build the activation-path dictionary of a bundle from a corpus (writes paths.bin).
+    Calibrate(CalibrateArgs),
+    /// Replay an expert-access trace through eviction policies and buffer sizes.
+    Replay(ReplayArgs),
 }
 
 #[derive(Args, Debug)]
@@ -85,6 +96,101 @@ struct SummarizeArgs {
     /// Do not print the statistics line on standard error.
     #[arg(long, short)]
     quiet: bool,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+/// Expert buffer options shared by every command that runs the model.
+#[derive(Args, Debug)]
+struct CacheArgs {
+    /// Eviction policy: edgemoe, edgemoe-paper, lru, lfu or fifo.
+    #[arg(long, default_value = "edgemoe")]
+    policy: Policy,
+    /// Do not start the prefetch thread (no dictionary prefetch, no read/compute overlap).
+    #[arg(long)]
+    no_prefetch: bool,
+    /// Most speculative bytes prefetched per token (default: two experts per decoder MoE layer).
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    prefetch_cap: Option<u64>,
+    /// Size the expert buffer in experts instead of from the budget (still checked against it).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    buffer_experts: Option<u32>,
+    /// Record every expert access (demand, prefetch, cancel) into FILE (JSON lines).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// How expert reads reach the store: `direct` bypasses the page cache (O_DIRECT, as on a
+    /// board whose RAM cannot cache the experts; falls back with a warning where refused),
+    /// `cached` goes through it.
+    #[arg(long, value_name = "MODE", default_value = "direct", value_parser = parse_storage)]
+    storage: StorageMode,
+}
+
+fn parse_storage(text: &str) -> std::result::Result<StorageMode, String> {
+    match text {
+        "direct" => Ok(StorageMode::Direct),
+        "cached" => Ok(StorageMode::Cached),
+        other => Err(format!(
+            "unknown storage mode `{other}` (expected direct or cached)"
+        )),
+    }
+}
+
+impl CacheArgs {
+    fn options(&self) -> CacheOptions {
+        CacheOptions {
+            policy: self.policy,
+            prefetch: !self.no_prefetch,
+            prefetch_cap_bytes: self.prefetch_cap,
+            buffer_experts: self.buffer_experts.map(|n| n as usize),
+            trace: self.trace.clone(),
+            storage: self.storage,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct CalibrateArgs {
+    /// Model bundle directory; the dictionary is written into it as paths.bin.
+    #[arg(long, value_name = "BUNDLE", default_value = DEFAULT_BUNDLE)]
+    model: PathBuf,
+    /// Calibration corpus: JSON lines with a `dialogue` or `document` field.
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: PathBuf,
+    /// Use the first N documents of --data.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// Held-out corpus to measure the dictionary on (default: the last 10% of --data's documents,
+    /// which are then left out of calibration).
+    #[arg(long, value_name = "FILE.jsonl")]
+    eval_data: Option<PathBuf>,
+    /// Use the first N documents of --eval-data.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    eval_limit: usize,
+    /// Also write the accuracy report as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    /// Trace written by `summarize --trace`.
+    #[arg(long, value_name = "FILE")]
+    trace: PathBuf,
+    /// Buffer sizes in experts.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8,16,32,64")]
+    slots: Vec<usize>,
+    /// Policies to replay (`all` = every online policy and belady).
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    policy: Vec<String>,
+    /// Ignore the trace's prefetch and cancel events (pure demand paging).
+    #[arg(long)]
+    demand_only: bool,
+    /// Print JSON (policy → slots → hit ratio, hits, misses) instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Draw hit ratio against buffer size per policy into an SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -102,6 +208,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Convert(args) => run_convert(args),
         Command::Summarize(args) => run_summarize(args),
         Command::Inspect(args) => run_inspect(args),
+        Command::Calibrate(args) => run_calibrate(args),
+        Command::Replay(args) => run_replay(args),
     }
 }
 
@@ -137,12 +245,17 @@ fn read_input(input: &str) -> Result<(String, String)> {
     }
 }
 
-fn run_summarize(args: SummarizeArgs) -> Result<()> {
-    if args.model == Path::new(DEFAULT_BUNDLE) && !args.model.exists() {
+fn check_default_bundle(model: &Path) -> Result<()> {
+    if model == Path::new(DEFAULT_BUNDLE) && !model.exists() {
         anyhow::bail!(
             "no --model given and the demo bundle {DEFAULT_BUNDLE} does not exist: run ./setup.sh, or convert a checkpoint with `edgemoe convert --hf DIR --out DIR`"
         );
     }
+    Ok(())
+}
+
+fn run_summarize(args: SummarizeArgs) -> Result<()> {
+    check_default_bundle(&args.model)?;
     let (text, source) = read_input(&args.input)?;
     let documents = parse_documents(&text, &source)?;
 
@@ -165,9 +278,13 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
             .max_source_tokens
             .map(|n| n as usize)
             .unwrap_or(generation.max_source_tokens),
+        cache: args.cache.options(),
     };
     drop(bundle);
     let mut summarizer = Summarizer::open(&args.model, options)?;
+    for warning in &summarizer.warnings {
+        eprintln!("warning: {warning}");
+    }
 
     let mut generations = Vec::with_capacity(documents.len());
     let stdout = std::io::stdout();
@@ -183,10 +300,12 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
         out.flush()?;
         generations.push((source_tokens, generation));
     }
+    summarizer.buffer.finish_trace()?;
     let stats = RunStats::new(
         &generations,
-        edgemoe::provider::ExpertProvider::stats(&summarizer.buffer),
+        summarizer.buffer.stats(),
         &summarizer.plan,
+        &summarizer.options.cache,
     );
     if !args.quiet {
         eprintln!("{}", stats.summary_line());
@@ -258,5 +377,135 @@ fn run_inspect(args: InspectArgs) -> Result<()> {
         "generation    {} beams, max {} new tokens, length penalty {}, no-repeat n-gram {}, prefix {:?}",
         g.num_beams, g.max_new_tokens, g.length_penalty, g.no_repeat_ngram_size, g.input_prefix
     );
+    Ok(())
+}
+
+fn read_documents(path: &Path, limit: Option<usize>) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut documents = parse_documents(&text, &path.display().to_string())?;
+    if let Some(n) = limit {
+        documents.truncate(n);
+    }
+    Ok(documents)
+}
+
+fn run_calibrate(args: CalibrateArgs) -> Result<()> {
+    check_default_bundle(&args.model)?;
+    let mut documents = read_documents(&args.data, args.limit)?;
+    let held_out_documents = match &args.eval_data {
+        Some(path) => read_documents(path, Some(args.eval_limit))?,
+        None => {
+            if documents.len() < 2 {
+                anyhow::bail!(
+                    "{}: need at least 2 documents to hold one out (or pass --eval-data)",
+                    args.data.display()
+                );
+            }
+            let keep = documents.len() - (documents.len() / 10).max(1);
+            documents.split_off(keep)
+        }
+    };
+    let bundle = Bundle::open(&args.model)?;
+    let spec = bundle.config.model.clone();
+    let generation = bundle.config.generation.clone();
+    // Calibration needs routing only: every expert fits, no prefetch, no dictionary use.
+    let mut summarizer = Summarizer::open(
+        &args.model,
+        RunOptions {
+            budget_bytes: u64::MAX / 4,
+            decode: DecodeOptions::from_defaults(&generation),
+            max_source_tokens: generation.max_source_tokens,
+            cache: CacheOptions {
+                policy: Policy::Lru,
+                prefetch: false,
+                ..CacheOptions::default()
+            },
+        },
+    )?;
+    let calibration = collect_paths(&mut summarizer, &documents, "calibration", true)?;
+    let held_out = collect_paths(&mut summarizer, &held_out_documents, "held out", true)?;
+    let dict = build_dictionary(
+        &calibration,
+        spec.moe_blocks(Stack::Encoder).len(),
+        spec.moe_blocks(Stack::Decoder).len(),
+        spec.num_experts,
+    );
+    let out = bundle.path(PATHS_FILE);
+    dict.save(&out)?;
+    let report = report(&dict, calibration.len(), &held_out);
+    print!("{}", report.to_text());
+    println!("\nwrote {}", out.display());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
+}
+
+fn run_replay(args: ReplayArgs) -> Result<()> {
+    let (header, events) = read_trace(&args.trace)?;
+    let policies: Vec<Policy> = if args.policy.iter().any(|p| p == "all") {
+        Policy::ONLINE
+            .iter()
+            .copied()
+            .chain([Policy::Belady])
+            .collect()
+    } else {
+        args.policy
+            .iter()
+            .map(|p| p.parse::<Policy>().map_err(anyhow::Error::msg))
+            .collect::<Result<_>>()?
+    };
+    if args.slots.is_empty() || args.slots.contains(&0) {
+        anyhow::bail!("--slots needs positive buffer sizes, e.g. --slots 4,8,16");
+    }
+    let mut results: Vec<ReplayResult> = Vec::new();
+    for &policy in &policies {
+        for &slots in &args.slots {
+            results.push(replay(&header, &events, policy, slots, args.demand_only));
+        }
+    }
+    let demands = events
+        .iter()
+        .filter(|e| e.kind == edgemoe::cache::AccessKind::Demand)
+        .count();
+    if args.json {
+        let mut by_policy = serde_json::Map::new();
+        for r in &results {
+            let entry = by_policy
+                .entry(r.policy.name())
+                .or_insert_with(|| serde_json::Value::Object(Default::default()));
+            entry[r.slots.to_string()] = serde_json::json!({
+                "hit_ratio": r.hit_ratio, "hits": r.hits, "misses": r.misses
+            });
+        }
+        println!("{}", serde_json::to_string_pretty(&by_policy)?);
+    } else {
+        println!(
+            "{}: {} events, {} demand accesses; recorded with {} slots, policy {}, prefetch {}",
+            args.trace.display(),
+            events.len(),
+            demands,
+            header.slots,
+            header.policy,
+            if header.prefetch { "on" } else { "off" }
+        );
+        print!("{:<14}", "hit ratio");
+        for slots in &args.slots {
+            print!("{:>9}", format!("{slots} slots"));
+        }
+        println!();
+        for &policy in &policies {
+            print!("{:<14}", policy.name());
+            for r in results.iter().filter(|r| r.policy == policy) {
+                print!("{:>8.1}%", 100.0 * r.hit_ratio);
+            }
+            println!();
+        }
+    }
+    if let Some(path) = &args.plot {
+        let title = format!("hit ratio vs buffer size ({} demand accesses)", demands);
+        edgemoe::plot::hit_ratio_vs_slots(&results, &title, path)?;
+    }
     Ok(())
 }

@@ -39,7 +39,7 @@ pub enum Error {
         actual: u32,
     },
 
-    #[error("memory budget {budget} is too small: resident weights take {resident}, working memory {working}, one expert slot {slot}; the minimum budget is {minimum} ({minimum_bytes} bytes)",
+    #[error("memory budget {budget} is too small: resident weights take {resident}, working memory {working}, {slots} expert slot(s) {slot} each; the minimum budget is {minimum} ({minimum_bytes} bytes)",
         budget = crate::budget::format_bytes(*budget_bytes),
         resident = crate::budget::format_bytes(*resident_bytes),
         working = crate::budget::format_bytes(*working_bytes),
@@ -50,6 +50,7 @@ pub enum Error {
         resident_bytes: u64,
         working_bytes: u64,
         slot_bytes: u64,
+        slots: usize,
         minimum_bytes: u64,
     },
 

@@ -267,10 +267,24 @@ impl ExpertStoreWriter {
     }
 }
 
+/// How expert blobs are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StorageMode {
+    /// Through the page cache (repeated runs read from RAM, not from the device).
+    #[default]
+    Cached,
+    /// `O_DIRECT`: every read goes to the device, as on a board whose page cache cannot hold
+    /// the experts. Blobs are page-aligned and padded, so whole padded blobs are read into
+    /// page-aligned slots.
+    Direct,
+}
+
 /// An open expert store: the validated index and the file to read blobs from.
 pub struct ExpertStore {
     path: PathBuf,
     file: File,
+    /// Set when reads bypass the page cache.
+    direct: Option<File>,
     index: StoreIndex,
     /// Position of each expert in `index.experts`, by (stack, layer, expert).
     lookup: std::collections::HashMap<ExpertId, usize>,
@@ -391,9 +405,72 @@ impl ExpertStore {
         Ok(ExpertStore {
             path: path.to_path_buf(),
             file,
+            direct: None,
             index,
             lookup,
         })
+    }
+
+    /// Opens the store and switches to `mode`. Returns a warning when `O_DIRECT` is refused
+    /// (tmpfs, some network filesystems) and reads fall back to the page cache after dropping
+    /// the file's cached pages.
+    pub fn open_with(
+        path: &Path,
+        spec: &ModelSpec,
+        mode: StorageMode,
+    ) -> Result<(Self, Option<String>)> {
+        let mut store = Self::open(path, spec)?;
+        if mode == StorageMode::Cached {
+            return Ok((store, None));
+        }
+        use std::os::unix::fs::OpenOptionsExt;
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+        {
+            Ok(file) => {
+                store.direct = Some(file);
+                // Probe one aligned read: some filesystems accept the flag but fail reads.
+                if let Some(first) = store.index.experts.first().cloned() {
+                    let mut probe =
+                        crate::provider::AlignedBuf::new(first.padded_length() as usize);
+                    if let Err(e) = store.read_expert(first.id, probe.as_mut_slice()) {
+                        store.direct = None;
+                        store.drop_page_cache();
+                        return Ok((store, Some(format!(
+                            "{}: O_DIRECT reads fail here ({e}); reading through the page cache instead",
+                            path.display()
+                        ))));
+                    }
+                }
+                Ok((store, None))
+            }
+            Err(e) => {
+                store.drop_page_cache();
+                Ok((store, Some(format!(
+                    "{}: the filesystem refuses O_DIRECT ({e}); reading through the page cache instead",
+                    path.display()
+                ))))
+            }
+        }
+    }
+
+    /// Asks the kernel to forget the store's cached pages (best effort).
+    pub fn drop_page_cache(&self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: plain syscall on a file descriptor this struct owns.
+        unsafe {
+            libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
+    }
+
+    pub fn storage_mode(&self) -> StorageMode {
+        if self.direct.is_some() {
+            StorageMode::Direct
+        } else {
+            StorageMode::Cached
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -429,15 +506,21 @@ impl ExpertStore {
             .entry(id)
             .ok_or_else(|| Error::format(&self.path, format!("{id} is not in this store")))?;
         let len = entry.length as usize;
-        let dest = dest.get_mut(..len).ok_or_else(|| {
+        // Direct reads move whole padded blobs (aligned offset, length and buffer).
+        let read_len = match self.direct {
+            Some(_) => entry.padded_length() as usize,
+            None => len,
+        };
+        let dest = dest.get_mut(..read_len).ok_or_else(|| {
             Error::format(
                 &self.path,
-                format!("{id}: blob of {len} bytes does not fit the slot"),
+                format!("{id}: blob of {read_len} bytes does not fit the slot"),
             )
         })?;
-        self.file
-            .read_exact_at(dest, entry.offset)
+        let file = self.direct.as_ref().unwrap_or(&self.file);
+        file.read_exact_at(dest, entry.offset)
             .map_err(|e| Error::io(&self.path, e))?;
+        let dest = &dest[..len];
         let actual = crc32fast::hash(dest);
         if actual != entry.checksum {
             return Err(Error::Checksum {

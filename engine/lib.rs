@@ -19,13 +19,19 @@
 
 pub mod budget;
 pub mod bundle;
+pub mod cache;
+pub mod calibrate;
 pub mod config;
 pub mod convert;
 pub mod error;
 pub mod expert_store;
 pub mod generate;
 pub mod model;
+pub mod paths;
+pub mod plot;
+pub mod prefetch;
 pub mod provider;
+pub mod rouge;
 pub mod stats;
 pub mod summarize;
 pub mod tokenizer;

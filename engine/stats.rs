@@ -4,7 +4,8 @@ use serde::Serialize;
 
 use crate::budget::{format_bytes, BudgetPlan};
 use crate::generate::Generation;
-use crate::provider::ExpertStats;
+use crate::provider::{DictionaryStats, ExpertStats, LayerStats, PrefetchStats};
+use crate::summarize::CacheOptions;
 
 /// Per-document figures.
 #[derive(Debug, Clone, Serialize)]
@@ -31,8 +32,22 @@ pub struct RunStats {
     pub expert_accesses: u64,
     pub hits: u64,
     pub misses: u64,
+    /// Same as `misses`: demand requests that read on the compute thread.
+    pub demand_misses: u64,
+    /// Hit ratio of each MoE layer.
+    pub per_layer: Vec<LayerStats>,
     pub bytes_read: u64,
+    /// `bytes_read` / decoder steps.
+    pub bytes_read_per_token: f64,
     pub read_ms: f64,
+    /// Time the compute thread waited for expert bytes (its reads + reads in flight).
+    pub stall_ms: f64,
+    pub stall_ms_per_token: f64,
+    pub policy: String,
+    pub prefetch_enabled: bool,
+    pub prefetch: PrefetchStats,
+    /// Top-1 accuracy of the path dictionary on this run's tokens.
+    pub dictionary: DictionaryStats,
     pub peak_rss_bytes: u64,
     pub budget_bytes: u64,
     pub resident_bytes: u64,
@@ -79,6 +94,7 @@ impl RunStats {
         generations: &[(usize, Generation)],
         experts: &ExpertStats,
         plan: &BudgetPlan,
+        cache: &CacheOptions,
     ) -> Self {
         let steps: Vec<f64> = generations
             .iter()
@@ -99,6 +115,7 @@ impl RunStats {
             })
             .collect();
         let tokens_generated = generations.iter().map(|(_, g)| g.tokens.len()).sum();
+        let steps_total = steps.len().max(1) as f64;
         RunStats {
             documents: generations.len(),
             tokens_generated,
@@ -115,8 +132,17 @@ impl RunStats {
             expert_accesses: experts.accesses,
             hits: experts.hits,
             misses: experts.misses,
+            demand_misses: experts.misses,
+            per_layer: experts.per_layer(),
             bytes_read: experts.bytes_read,
+            bytes_read_per_token: experts.bytes_read as f64 / steps_total,
             read_ms: experts.read_ms,
+            stall_ms: experts.stall_ms,
+            stall_ms_per_token: experts.stall_ms / steps_total,
+            policy: cache.policy.name().into(),
+            prefetch_enabled: cache.prefetch,
+            prefetch: experts.prefetch.clone(),
+            dictionary: experts.dictionary.clone(),
             peak_rss_bytes: peak_rss_bytes(),
             budget_bytes: plan.budget_bytes,
             resident_bytes: plan.resident_bytes,
@@ -131,7 +157,7 @@ impl RunStats {
     /// `64 tokens, 41.2 tokens/s (24.3 ms/token) · expert hit ratio 87.5% (224/256) · read 12.0 MiB · peak RSS 310 MiB`
     pub fn summary_line(&self) -> String {
         format!(
-            "{} tokens, {:.1} tokens/s ({:.1} ms/token) · expert hit ratio {:.1}% ({}/{}) · read {} from the expert store · buffer {} slots ({}) of budget {} · peak RSS {}",
+            "{} tokens, {:.1} tokens/s ({:.1} ms/token) · expert hit ratio {:.1}% ({}/{}) · read {} from the expert store, stalled {:.1} ms · {} policy, prefetch {} · buffer {} slots ({}) of budget {} · peak RSS {}",
             self.tokens_generated,
             self.tokens_per_s,
             self.decode_ms_per_token,
@@ -139,6 +165,13 @@ impl RunStats {
             self.hits,
             self.expert_accesses,
             format_bytes(self.bytes_read),
+            self.stall_ms,
+            self.policy,
+            if self.prefetch_enabled {
+                format!("on ({} issued, {} useful)", self.prefetch.issued, self.prefetch.useful)
+            } else {
+                "off".into()
+            },
             self.buffer_slots,
             format_bytes(self.buffer_bytes),
             format_bytes(self.budget_bytes),

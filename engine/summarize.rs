@@ -2,19 +2,24 @@
 //! JSON lines with a `dialogue`/`document` field), sizing the expert buffer from the budget, and
 //! running generation.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::budget::{working_bytes, BudgetPlan, RunShape};
 use crate::bundle::Bundle;
+use crate::cache::Policy;
 use crate::error::{Error, Result};
+use crate::expert_store::{ExpertStore, StorageMode};
 use crate::generate::{generate, DecodeOptions, Generation};
 use crate::model::SwitchModel;
-use crate::provider::{ExpertBuffer, ExpertProvider};
+use crate::paths::{PathDictionary, PATHS_FILE};
+use crate::provider::{BufferOptions, ExpertBuffer, ExpertProvider};
 use crate::tokenizer::Tokenizer;
 
 /// Splits user input into documents. Input whose first non-empty line starts with `{` is read as
 /// JSON lines, one document per line from its `dialogue` or `document` field; anything else is
-/// one document. `source` names the input in errors.
+/// one document. `source` names the input in errors. Only an input with no text at all is an
+/// error; an empty `dialogue` inside JSON lines is summarized like any other.
 pub fn parse_documents(text: &str, source: &str) -> Result<Vec<String>> {
     let first = text.lines().find(|l| !l.trim().is_empty());
     let Some(first) = first else {
@@ -42,12 +47,7 @@ pub fn parse_documents(text: &str, source: &str) -> Result<Vec<String>> {
                     number + 1
                 ))
             })?;
-        if doc.trim().is_empty() {
-            return Err(Error::Input(format!(
-                "{source} line {}: the document is empty",
-                number + 1
-            )));
-        }
+        // An empty document still gets its (one-line) summary, so outputs stay line-aligned.
         documents.push(doc.to_string());
     }
     Ok(documents)
@@ -66,6 +66,34 @@ pub struct RunOptions {
     pub budget_bytes: u64,
     pub decode: DecodeOptions,
     pub max_source_tokens: usize,
+    pub cache: CacheOptions,
+}
+
+/// How the expert buffer behaves.
+#[derive(Debug, Clone)]
+pub struct CacheOptions {
+    pub policy: Policy,
+    pub prefetch: bool,
+    /// Speculative bytes per forward call; `None` = two experts per decoder MoE layer.
+    pub prefetch_cap_bytes: Option<u64>,
+    /// Slots instead of "as many as the budget allows" (still checked against the budget).
+    pub buffer_experts: Option<usize>,
+    /// Record every expert access into this file.
+    pub trace: Option<PathBuf>,
+    pub storage: StorageMode,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            policy: Policy::Edgemoe,
+            prefetch: true,
+            prefetch_cap_bytes: None,
+            buffer_experts: None,
+            trace: None,
+            storage: StorageMode::Cached,
+        }
+    }
 }
 
 /// A loaded model with its expert buffer, ready to summarize.
@@ -75,6 +103,10 @@ pub struct Summarizer {
     pub buffer: ExpertBuffer,
     pub plan: BudgetPlan,
     pub options: RunOptions,
+    /// The bundle's activation-path dictionary, if it has been calibrated.
+    pub dictionary: Option<Arc<PathDictionary>>,
+    /// Things the user should know (e.g. `O_DIRECT` refused by the filesystem).
+    pub warnings: Vec<String>,
     prefix: String,
 }
 
@@ -82,7 +114,11 @@ impl Summarizer {
     pub fn open(bundle_dir: &Path, options: RunOptions) -> Result<Self> {
         let bundle = Bundle::open(bundle_dir)?;
         let spec = bundle.config.model.clone();
-        let store = bundle.open_store()?;
+        let (store, warning) = ExpertStore::open_with(
+            &bundle.path(crate::bundle::EXPERTS_FILE),
+            &spec,
+            options.cache.storage,
+        )?;
         let tokenizer = bundle.tokenizer()?;
         let model = bundle.load_model()?;
         let working = working_bytes(
@@ -93,20 +129,47 @@ impl Summarizer {
                 beams: options.decode.num_beams,
             },
         );
+        let slot_bytes = store.max_padded_expert_bytes();
         let plan = BudgetPlan::new(
             options.budget_bytes,
             model.resident_bytes(),
             working,
-            store.max_padded_expert_bytes(),
+            slot_bytes,
             store.index().experts.len(),
+            options.cache.buffer_experts,
         )?;
-        let buffer = ExpertBuffer::new(store, &spec, plan.slots);
+        let paths = bundle.path(PATHS_FILE);
+        let dictionary = if paths.exists() {
+            Some(Arc::new(PathDictionary::load(&paths)?))
+        } else {
+            None
+        };
+        let decoder_moe_layers = spec.moe_blocks(crate::config::Stack::Decoder).len() as u64;
+        let mut buffer = ExpertBuffer::with_options(
+            store,
+            &spec,
+            &BufferOptions {
+                slots: plan.slots,
+                policy: options.cache.policy,
+                prefetch: options.cache.prefetch,
+                prefetch_cap_bytes: options
+                    .cache
+                    .prefetch_cap_bytes
+                    .unwrap_or(2 * decoder_moe_layers.max(1) * slot_bytes),
+            },
+            dictionary.clone(),
+        )?;
+        if let Some(trace) = &options.cache.trace {
+            buffer.record_trace(trace)?;
+        }
         Ok(Summarizer {
             model,
             tokenizer,
             buffer,
             plan,
             options,
+            dictionary,
+            warnings: warning.into_iter().collect(),
             prefix: bundle.config.generation.input_prefix.clone(),
         })
     }

@@ -9,7 +9,7 @@ mod common;
 use edgemoe::bundle::Bundle;
 use edgemoe::generate::DecodeOptions;
 use edgemoe::provider::ExpertProvider;
-use edgemoe::summarize::{parse_documents, RunOptions, Summarizer};
+use edgemoe::summarize::{parse_documents, CacheOptions, RunOptions, Summarizer};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -61,6 +61,8 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
                 budget_bytes: budget_mib << 20,
                 decode: DecodeOptions::from_defaults(&generation),
                 max_source_tokens: generation.max_source_tokens,
+                // The default buffer: edgemoe policy, prefetch thread on.
+                cache: CacheOptions::default(),
             },
         )
         .unwrap();

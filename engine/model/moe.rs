@@ -51,6 +51,9 @@ pub fn moe_ffn(
     let chosen = probs.f_argmax(-1, false)?; // [t]
     let weights = probs.f_amax([-1i64].as_slice(), false)?; // [t], probability of the choice
     let chosen: Vec<i64> = Vec::<i64>::try_from(&chosen)?;
+    let chosen_experts: Vec<u16> = chosen.iter().map(|&e| e as u16).collect();
+    // Before any expert computes: drop stale prefetches, prefetch the next layer's experts.
+    provider.routed(stack, layer, &chosen_experts)?;
 
     // token_priority = cumsum(one_hot(expert_index), dim=seq); keep while <= expert_capacity
     let num_experts = router.weight.size()[0] as usize;
@@ -70,27 +73,31 @@ pub fn moe_ffn(
         }
     }
 
+    let expert_id = |expert: usize| ExpertId {
+        stack,
+        layer: layer as u16,
+        expert: expert as u16,
+    };
+    let used: Vec<usize> = (0..num_experts)
+        .filter(|&e| !tokens_of[e].is_empty())
+        .collect();
     let mut out = tokens.f_zeros_like()?;
-    for (expert, idx) in tokens_of.iter().enumerate() {
-        if idx.is_empty() {
-            continue;
-        }
-        let idx = Tensor::f_from_slice(idx)?;
+    for (i, &expert) in used.iter().enumerate() {
+        let idx = Tensor::f_from_slice(&tokens_of[expert])?;
         let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
-        let id = ExpertId {
-            stack,
-            layer: layer as u16,
-            expert: expert as u16,
-        };
-        let w = provider.expert(id)?;
-        let y = dense_act_dense(&selected, w.wi, w.wo)?
+        let w = provider.expert(expert_id(expert))?;
+        // The next expert's read overlaps this one's compute.
+        if let Some(&next) = used.get(i + 1) {
+            provider.will_use(expert_id(next))?;
+        }
+        let y = dense_act_dense(&selected, &w.wi, &w.wo)?
             .f_mul(&weights.f_index_select(0, &idx)?.f_unsqueeze(-1)?)?;
         let _ = out.f_index_add_(0, &idx, &y)?;
     }
     routes.push(LayerRoute {
         stack,
         layer,
-        experts: chosen.iter().map(|&e| e as u16).collect(),
+        experts: chosen_experts,
         dropped,
     });
     Ok(out.f_reshape([b, n, d])?)

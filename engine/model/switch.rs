@@ -335,6 +335,7 @@ impl SwitchModel {
         if input_ids.is_empty() {
             return Err(Error::Input("empty input: no tokens to encode".into()));
         }
+        provider.begin_step(Stack::Encoder);
         let n = input_ids.len() as i64;
         let mut h = self.embed(&self.encoder, input_ids, [1, n])?; // [1, n, d]
         let bias = self.encoder.blocks[0].self_attention.position_bias(
@@ -388,6 +389,7 @@ impl SwitchModel {
         routes: &mut Vec<LayerRoute>,
     ) -> Result<Tensor> {
         let _guard = tch::no_grad_guard();
+        provider.begin_step(Stack::Decoder);
         let b = tokens.len() as i64;
         let mut h = self.embed(&self.decoder, tokens, [b, 1])?; // [b, 1, d]
         let bias = self.decoder.blocks[0].self_attention.position_bias(

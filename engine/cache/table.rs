@@ -1,0 +1,266 @@
+//! Which expert sits in which slot, and the policy's view of them. Pure bookkeeping (no bytes):
+//! the live [`ExpertBuffer`](crate::provider::ExpertBuffer) applies every access to a table and
+//! moves the bytes; trace replay applies the recorded accesses to a table of any size and policy.
+
+use std::collections::HashMap;
+
+use super::policy::{Candidate, PolicyState};
+use crate::expert_store::ExpertId;
+
+/// The circumstances of one access.
+#[derive(Debug, Clone, Copy)]
+pub struct AccessContext<'a> {
+    /// Decoder MoE layer executing (`None` while the encoder runs).
+    pub current: Option<usize>,
+    /// Experts that must not be evicted now: the one being computed on, those being read.
+    pub pinned: &'a [ExpertId],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    pub expert: ExpertId,
+    /// It was brought in by a prefetch and never used.
+    pub prefetched_unused: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Hit {
+        slot: usize,
+        /// First use of an expert that a prefetch brought in.
+        prefetched: bool,
+    },
+    Miss {
+        slot: usize,
+        evicted: Option<Evicted>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct SlotMeta {
+    holds: Option<ExpertId>,
+    inserted_at: u64,
+    last_used: u64,
+    prefetched_unused: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct SlotTable {
+    slots: Vec<SlotMeta>,
+    slot_of: HashMap<ExpertId, usize>,
+    clock: u64,
+    pub policy: PolicyState,
+}
+
+impl SlotTable {
+    pub fn new(slots: usize, policy: PolicyState) -> Self {
+        SlotTable {
+            slots: vec![SlotMeta::default(); slots.max(1)],
+            slot_of: HashMap::new(),
+            clock: 0,
+            policy,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slot_of.is_empty()
+    }
+
+    pub fn slot_of(&self, id: ExpertId) -> Option<usize> {
+        self.slot_of.get(&id).copied()
+    }
+
+    pub fn holds(&self, slot: usize) -> Option<ExpertId> {
+        self.slots.get(slot).and_then(|s| s.holds)
+    }
+
+    /// A free slot, or the policy's victim among the unpinned ones (`None` if every slot is
+    /// pinned).
+    fn make_room(&mut self, ctx: &AccessContext<'_>) -> Option<(usize, Option<Evicted>)> {
+        if let Some(free) = self.slots.iter().position(|s| s.holds.is_none()) {
+            return Some((free, None));
+        }
+        let candidates: Vec<Candidate> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, s)| {
+                let expert = s.holds?;
+                (!ctx.pinned.contains(&expert)).then_some(Candidate {
+                    slot,
+                    expert,
+                    inserted_at: s.inserted_at,
+                    last_used: s.last_used,
+                })
+            })
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let victim = self.policy.choose_victim(&candidates, ctx.current);
+        let old = std::mem::take(&mut self.slots[victim]);
+        let expert = old.holds.expect("candidates hold experts");
+        self.slot_of.remove(&expert);
+        Some((
+            victim,
+            Some(Evicted {
+                expert,
+                prefetched_unused: old.prefetched_unused,
+            }),
+        ))
+    }
+
+    fn place(&mut self, slot: usize, id: ExpertId, prefetched: bool) {
+        self.slots[slot] = SlotMeta {
+            holds: Some(id),
+            inserted_at: self.clock,
+            last_used: self.clock,
+            prefetched_unused: prefetched,
+        };
+        self.slot_of.insert(id, slot);
+    }
+
+    /// The model needs `id` now. `None` if it is not resident and every slot is pinned.
+    pub fn demand(&mut self, id: ExpertId, ctx: &AccessContext<'_>) -> Option<Outcome> {
+        self.clock += 1;
+        if let Some(slot) = self.slot_of(id) {
+            self.policy.record_demand(id);
+            let meta = &mut self.slots[slot];
+            meta.last_used = self.clock;
+            let prefetched = std::mem::take(&mut meta.prefetched_unused);
+            return Some(Outcome::Hit { slot, prefetched });
+        }
+        let (slot, evicted) = self.make_room(ctx)?;
+        self.policy.record_demand(id);
+        self.place(slot, id, false);
+        Some(Outcome::Miss { slot, evicted })
+    }
+
+    /// Makes room for a speculative load of `id`. `None` if it is already resident or every
+    /// slot is pinned.
+    pub fn prefetch(
+        &mut self,
+        id: ExpertId,
+        ctx: &AccessContext<'_>,
+    ) -> Option<(usize, Option<Evicted>)> {
+        if self.slot_of(id).is_some() {
+            return None;
+        }
+        self.clock += 1;
+        let (slot, evicted) = self.make_room(ctx)?;
+        self.place(slot, id, true);
+        Some((slot, evicted))
+    }
+
+    /// Forgets `id` (a prefetch that was cancelled or failed). Returns its slot.
+    pub fn remove(&mut self, id: ExpertId) -> Option<usize> {
+        let slot = self.slot_of.remove(&id)?;
+        self.slots[slot] = SlotMeta::default();
+        Some(slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::policy::{LayerMap, Policy};
+    use crate::config::Stack;
+
+    fn dec(layer: u16, expert: u16) -> ExpertId {
+        ExpertId {
+            stack: Stack::Decoder,
+            layer,
+            expert,
+        }
+    }
+
+    fn table(slots: usize, policy: Policy) -> SlotTable {
+        let layers = LayerMap {
+            encoder_moe_blocks: vec![],
+            decoder_moe_blocks: vec![0, 1],
+        };
+        SlotTable::new(slots, PolicyState::new(policy, layers, &[]))
+    }
+
+    const FREE: AccessContext<'static> = AccessContext {
+        current: None,
+        pinned: &[],
+    };
+
+    #[test]
+    fn hits_misses_and_pins() {
+        let mut t = table(2, Policy::Lru);
+        assert!(matches!(
+            t.demand(dec(0, 0), &FREE),
+            Some(Outcome::Miss { evicted: None, .. })
+        ));
+        assert!(matches!(
+            t.demand(dec(0, 1), &FREE),
+            Some(Outcome::Miss { evicted: None, .. })
+        ));
+        assert!(matches!(
+            t.demand(dec(0, 0), &FREE),
+            Some(Outcome::Hit {
+                prefetched: false,
+                ..
+            })
+        ));
+        // LRU victim is expert 1, unless it is pinned.
+        let pinned = [dec(0, 1)];
+        let ctx = AccessContext {
+            current: None,
+            pinned: &pinned,
+        };
+        match t.demand(dec(1, 0), &ctx) {
+            Some(Outcome::Miss {
+                evicted: Some(e), ..
+            }) => assert_eq!(e.expert, dec(0, 0)),
+            other => panic!("{other:?}"),
+        }
+        let pinned = [dec(0, 1), dec(1, 0)];
+        let ctx = AccessContext {
+            current: None,
+            pinned: &pinned,
+        };
+        assert_eq!(t.demand(dec(1, 1), &ctx), None);
+    }
+
+    #[test]
+    fn prefetched_experts_are_reported_once() {
+        let mut t = table(1, Policy::Lru);
+        assert_eq!(t.prefetch(dec(0, 0), &FREE), Some((0, None)));
+        assert_eq!(t.prefetch(dec(0, 0), &FREE), None);
+        assert_eq!(
+            t.demand(dec(0, 0), &FREE),
+            Some(Outcome::Hit {
+                slot: 0,
+                prefetched: true
+            })
+        );
+        assert_eq!(
+            t.demand(dec(0, 0), &FREE),
+            Some(Outcome::Hit {
+                slot: 0,
+                prefetched: false
+            })
+        );
+        // Evicting an expert that was used is not a wasted prefetch.
+        assert!(
+            !t.prefetch(dec(1, 0), &FREE)
+                .unwrap()
+                .1
+                .unwrap()
+                .prefetched_unused
+        );
+        match t.prefetch(dec(1, 1), &FREE) {
+            Some((0, Some(e))) => assert!(e.prefetched_unused),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(t.remove(dec(1, 1)), Some(0));
+        assert!(t.is_empty());
+    }
+}

@@ -1,0 +1,133 @@
+//! Access traces: every expert access of a run, in the order the expert buffer applied them, as
+//! JSON lines (a header line, then one event per line). Replaying a trace through the same
+//! policy and buffer size reproduces the run's hit counts exactly; replaying it through others
+//! answers "what if".
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::policy::{LayerMap, Policy};
+use crate::config::Stack;
+use crate::error::{Error, Result};
+use crate::expert_store::ExpertId;
+
+pub const TRACE_VERSION: u32 = 1;
+
+/// First line of a trace file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceHeader {
+    pub edgemoe_trace: u32,
+    /// Buffer size and policy of the recorded run.
+    pub slots: usize,
+    pub policy: Policy,
+    pub prefetch: bool,
+    pub layers: LayerMap,
+    /// Offline activation frequency of each expert (seeds of `lfu`/`edgemoe` counts).
+    pub seeds: Vec<(ExpertId, f64)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccessKind {
+    /// The model needed the expert now.
+    Demand,
+    /// A load started ahead of need (dictionary prediction or the next expert of a layer).
+    Prefetch,
+    /// A prefetch dropped before it was used (its slot freed).
+    Cancel,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceEvent {
+    /// Decoder steps done before this access (the encoder pass shares the next step's number).
+    pub token: u64,
+    pub kind: AccessKind,
+    pub stack: Stack,
+    /// Block index inside the stack.
+    pub layer: u16,
+    pub expert: u16,
+    /// Decoder MoE layer executing (absent while the encoder runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<u16>,
+    /// Experts that could not be evicted at this moment (being computed on or being read).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pinned: Vec<ExpertId>,
+}
+
+impl TraceEvent {
+    pub fn id(&self) -> ExpertId {
+        ExpertId {
+            stack: self.stack,
+            layer: self.layer,
+            expert: self.expert,
+        }
+    }
+}
+
+pub struct TraceWriter {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl TraceWriter {
+    pub fn create(path: &Path, header: &TraceHeader) -> Result<Self> {
+        let file = File::create(path).map_err(|e| Error::io(path, e))?;
+        let mut writer = TraceWriter {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        };
+        writer.line(header)?;
+        Ok(writer)
+    }
+
+    fn line<T: Serialize>(&mut self, value: &T) -> Result<()> {
+        serde_json::to_writer(&mut self.out, value)
+            .map_err(|e| Error::format(&self.path, e.to_string()))?;
+        self.out
+            .write_all(b"\n")
+            .map_err(|e| Error::io(&self.path, e))
+    }
+
+    pub fn event(&mut self, event: &TraceEvent) -> Result<()> {
+        self.line(event)
+    }
+
+    pub fn finish(mut self) -> Result<()> {
+        self.out.flush().map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// Reads a whole trace, naming the line of any malformed entry.
+pub fn read_trace(path: &Path) -> Result<(TraceHeader, Vec<TraceEvent>)> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut lines = BufReader::new(file).lines();
+    let first = lines
+        .next()
+        .ok_or_else(|| Error::format(path, "empty trace file"))?
+        .map_err(|e| Error::io(path, e))?;
+    let header: TraceHeader = serde_json::from_str(&first)
+        .map_err(|e| Error::format(path, format!("line 1: not an edgemoe trace header: {e}")))?;
+    if header.edgemoe_trace != TRACE_VERSION {
+        return Err(Error::format(
+            path,
+            format!(
+                "trace version {}, this engine reads version {TRACE_VERSION}",
+                header.edgemoe_trace
+            ),
+        ));
+    }
+    let mut events = Vec::new();
+    for (i, line) in lines.enumerate() {
+        let line = line.map_err(|e| Error::io(path, e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let event = serde_json::from_str(&line)
+            .map_err(|e| Error::format(path, format!("line {}: {e}", i + 2)))?;
+        events.push(event);
+    }
+    Ok((header, events))
+}

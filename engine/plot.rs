@@ -1,0 +1,70 @@
+//! Charts written as SVG with plotters (no font files needed: SVG text is rendered by the
+//! viewer).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::cache::replay::ReplayResult;
+use crate::error::{Error, Result};
+
+/// Hit ratio against buffer size, one line per policy (EdgeMoE Figure 13); Belady, the offline
+/// optimum, is drawn as the dashed upper line.
+pub fn hit_ratio_vs_slots(results: &[ReplayResult], title: &str, path: &Path) -> Result<()> {
+    let plot_error = |e: String| Error::format(path, format!("cannot draw the chart: {e}"));
+    let mut lines: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for r in results {
+        lines
+            .entry(r.policy.name().to_string())
+            .or_default()
+            .push((r.slots as f64, r.hit_ratio));
+    }
+    let max_slots = results.iter().map(|r| r.slots).max().unwrap_or(1) as f64;
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_error(e.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(20)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..max_slots * 1.05, 0f64..1.0)
+        .map_err(|e| plot_error(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("buffer size (experts)")
+        .y_desc("hit ratio")
+        .draw()
+        .map_err(|e| plot_error(e.to_string()))?;
+    for (i, (name, mut points)) in lines.into_iter().enumerate() {
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let color = Palette99::pick(i).to_rgba();
+        let style = if name == "belady" {
+            BLACK.stroke_width(2)
+        } else {
+            color.stroke_width(2)
+        };
+        let series = if name == "belady" {
+            chart.draw_series(DashedLineSeries::new(points.clone(), 6, 4, style))
+        } else {
+            chart.draw_series(LineSeries::new(points.clone(), style))
+        }
+        .map_err(|e| plot_error(e.to_string()))?;
+        let legend_style = style;
+        series
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], legend_style));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 3, style.filled())))
+            .map_err(|e| plot_error(e.to_string()))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| plot_error(e.to_string()))?;
+    root.present().map_err(|e| plot_error(e.to_string()))?;
+    Ok(())
+}
