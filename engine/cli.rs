@@ -48,6 +48,59 @@ enum Command {
     Calibrate(CalibrateArgs),
     /// Replay an expert-access trace through eviction policies and buffer sizes.
     Replay(ReplayArgs),
+    /// Summarize a reference corpus and print ROUGE and speed.
+    Eval(EvalArgs),
+    /// Score existing predictions against references (one text per line) with ROUGE.
+    Rouge(RougeArgs),
+}
+
+#[derive(Args, Debug)]
+struct EvalArgs {
+    /// Model bundle directory.
+    #[arg(long, value_name = "BUNDLE", default_value = DEFAULT_BUNDLE)]
+    model: PathBuf,
+    /// JSON lines with `dialogue`/`document` and `summary`/`reference` fields.
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: PathBuf,
+    /// Use the first N examples.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// Memory budget (see `summarize`).
+    #[arg(long, default_value = "1.5GiB", value_parser = parse_budget)]
+    budget: u64,
+    /// Most tokens to generate per document (default: the model's generation config).
+    #[arg(long, value_name = "N")]
+    max_new_tokens: Option<usize>,
+    /// Beam width (default: the model's generation config).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    beams: Option<u16>,
+    /// Porter-stem tokens before matching (rouge-score's `use_stemmer=True`).
+    #[arg(long)]
+    stem: bool,
+    /// Print the figures as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Also write the predictions, one per line.
+    #[arg(long, value_name = "FILE")]
+    predictions: Option<PathBuf>,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+#[derive(Args, Debug)]
+struct RougeArgs {
+    /// Predictions, one per line.
+    #[arg(long, value_name = "FILE")]
+    pred: PathBuf,
+    /// References, one per line, aligned with --pred.
+    #[arg(long = "ref", value_name = "FILE")]
+    reference: PathBuf,
+    /// Porter-stem tokens before matching.
+    #[arg(long)]
+    stem: bool,
+    /// Print the figures as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -210,6 +263,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Inspect(args) => run_inspect(args),
         Command::Calibrate(args) => run_calibrate(args),
         Command::Replay(args) => run_replay(args),
+        Command::Eval(args) => run_eval(args),
+        Command::Rouge(args) => run_rouge(args),
     }
 }
 
@@ -506,6 +561,71 @@ fn run_replay(args: ReplayArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         let title = format!("hit ratio vs buffer size ({} demand accesses)", demands);
         edgemoe::plot::hit_ratio_vs_slots(&results, &title, path)?;
+    }
+    Ok(())
+}
+
+fn print_rouge(label: &str, r: &edgemoe::rouge::RougeScores) {
+    println!(
+        "{label}ROUGE-1 {:.2}  ROUGE-2 {:.2}  ROUGE-L {:.2}  (F-measure × 100)",
+        100.0 * r.rouge1.fmeasure,
+        100.0 * r.rouge2.fmeasure,
+        100.0 * r.rouge_l.fmeasure
+    );
+}
+
+fn run_eval(args: EvalArgs) -> Result<()> {
+    check_default_bundle(&args.model)?;
+    let examples = edgemoe::eval::read_examples(&args.data, args.limit)?;
+    let bundle = Bundle::open(&args.model)?;
+    let generation = bundle.config.generation.clone();
+    let mut decode = DecodeOptions::from_defaults(&generation);
+    if let Some(n) = args.max_new_tokens {
+        decode.max_new_tokens = n;
+    }
+    if let Some(b) = args.beams {
+        decode.num_beams = b as usize;
+    }
+    let mut summarizer = Summarizer::open(
+        &args.model,
+        RunOptions {
+            budget_bytes: args.budget,
+            decode,
+            max_source_tokens: generation.max_source_tokens,
+            cache: args.cache.options(),
+        },
+    )?;
+    for warning in &summarizer.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let (report, predictions) =
+        edgemoe::eval::evaluate(&mut summarizer, &examples, args.stem, true)?;
+    summarizer.buffer.finish_trace()?;
+    if let Some(path) = &args.predictions {
+        let mut text = predictions.join("\n");
+        text.push('\n');
+        std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "{} documents from {}",
+            report.documents,
+            args.data.display()
+        );
+        print_rouge("", &report.rouge);
+        println!("{}", report.run.summary_line());
+    }
+    Ok(())
+}
+
+fn run_rouge(args: RougeArgs) -> Result<()> {
+    let (_, mean) = edgemoe::rouge::score_files(&args.pred, &args.reference, args.stem)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&mean)?);
+    } else {
+        print_rouge("", &mean);
     }
     Ok(())
 }

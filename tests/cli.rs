@@ -509,3 +509,76 @@ fn empty_input_and_bad_flags() {
     assert_eq!(out.status.code(), Some(2));
     assert!(!stderr(&out).contains("panicked"));
 }
+
+#[test]
+fn rouge_scores_files_and_eval_scores_a_corpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let pred = dir.path().join("pred.txt");
+    let reference = dir.path().join("ref.txt");
+    std::fs::write(&pred, "the cat sat on the mat\nrunning fast\n").unwrap();
+    std::fs::write(&reference, "the cat sat on a mat\nhe runs fast\n").unwrap();
+    let out = run(
+        &[
+            "rouge",
+            "--pred",
+            pred.to_str().unwrap(),
+            "--ref",
+            reference.to_str().unwrap(),
+            "--json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let scores: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Pair 1: 5 of 6 unigrams match; pair 2: "fast" only (1/2 and 1/3).
+    let r1 = scores["rouge1"]["fmeasure"].as_f64().unwrap();
+    let expected = (5.0 / 6.0 + 2.0 * 0.5 * (1.0 / 3.0) / (0.5 + 1.0 / 3.0)) / 2.0;
+    assert!((r1 - expected).abs() < 1e-12, "{r1} vs {expected}");
+
+    std::fs::write(&reference, "only one line\n").unwrap();
+    let out = run(
+        &[
+            "rouge",
+            "--pred",
+            pred.to_str().unwrap(),
+            "--ref",
+            reference.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["pred.txt", "ref.txt"]);
+
+    let bundle = demo_bundle(dir.path());
+    let data = dir.path().join("two.jsonl");
+    let text = std::fs::read_to_string(common::samsum("test")).unwrap();
+    std::fs::write(&data, text.lines().take(2).collect::<Vec<_>>().join("\n")).unwrap();
+    let out = run(
+        &[
+            "eval",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["documents"], 2);
+    assert!(report["rouge"]["rouge1"]["fmeasure"].as_f64().unwrap() > 0.0);
+    assert!(report["run"]["decode_ms_per_token"].as_f64().unwrap() > 0.0);
+
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\"}\n").unwrap();
+    let out = run(
+        &[
+            "eval",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["two.jsonl line 1", "summary"]);
+}
