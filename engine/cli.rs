@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use edgemoe::bit_plan::BitPlan;
 use edgemoe::budget::{format_bytes, parse_bytes};
 use edgemoe::bundle::{Bundle, EXPERTS_FILE, RESIDENT_FILE};
 use edgemoe::cache::replay::{replay, ReplayResult};
@@ -14,7 +15,7 @@ use edgemoe::cache::Policy;
 use edgemoe::calibrate::{build_dictionary, collect_paths, report};
 use edgemoe::config::Stack;
 use edgemoe::convert::{convert, ConvertOptions};
-use edgemoe::expert_store::StorageMode;
+use edgemoe::expert_store::{ExpertEncoding, StorageMode};
 use edgemoe::generate::DecodeOptions;
 use edgemoe::paths::PATHS_FILE;
 use edgemoe::provider::ExpertProvider;
@@ -114,6 +115,18 @@ struct ConvertArgs {
     /// tokenizer.json to bundle if the checkpoint directory has none.
     #[arg(long, value_name = "FILE")]
     tokenizer: Option<PathBuf>,
+    /// Store every expert at this width: 8, 4, 2 (INT8/4/2, channel-wise), f16, bf16 or f32.
+    #[arg(long, value_name = "WIDTH", value_parser = parse_width, conflicts_with = "plan")]
+    bits: Option<ExpertEncoding>,
+    /// Per-expert widths from a plan (written by `tune-bits`).
+    #[arg(long, value_name = "PLAN.json")]
+    plan: Option<PathBuf>,
+}
+
+fn parse_width(text: &str) -> std::result::Result<ExpertEncoding, String> {
+    ExpertEncoding::parse(text).ok_or_else(|| {
+        format!("unknown width `{text}` (expected 8, 4, 2, int8, int4, int2, f16, bf16 or f32)")
+    })
 }
 
 #[derive(Args, Debug)]
@@ -269,10 +282,16 @@ pub fn run(cli: Cli) -> Result<()> {
 }
 
 fn run_convert(args: ConvertArgs) -> Result<()> {
+    let bits = match (&args.plan, args.bits) {
+        (Some(path), _) => BitPlan::load(path)?,
+        (None, Some(width)) => BitPlan::uniform(width),
+        (None, None) => BitPlan::default(),
+    };
     let report = convert(&ConvertOptions {
         hf_dir: args.hf.clone(),
         out_dir: args.out.clone(),
         tokenizer: args.tokenizer,
+        bits,
         show_progress: true,
     })?;
     println!(

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressStyle};
 use safetensors::tensor::TensorView;
 
+use crate::bit_plan::BitPlan;
 use crate::bundle::{CONFIG_FILE, EXPERTS_FILE, RESIDENT_FILE, TOKENIZER_FILE};
 use crate::config::{
     read_json, BundleConfig, GenerationDefaults, HfGenerationConfig, HfSwitchConfig, ModelSpec,
@@ -27,6 +28,9 @@ pub struct ConvertOptions {
     pub out_dir: PathBuf,
     /// Tokenizer to bundle when the checkpoint directory has no `tokenizer.json`.
     pub tokenizer: Option<PathBuf>,
+    /// Stored width of each expert (empty: the checkpoint's dtype). Non-expert weights are
+    /// never quantized.
+    pub bits: BitPlan,
     pub show_progress: bool,
 }
 
@@ -147,17 +151,27 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
     safetensors::tensor::serialize_to_file(views, None, &resident_path)
         .map_err(|e| Error::format(&resident_path, format!("cannot write: {e}")))?;
 
-    // Experts: one blob each, in their source dtype (f32 if wi and wo disagree).
+    // Experts: one blob each, at the plan's width, else in their source dtype (f32 if wi and
+    // wo disagree).
     progress.set_message("experts");
     let mut plan = Vec::with_capacity(experts.len());
     for &id in &experts {
         let (wi, wo) = expert_tensors(&files, &spec, id)?;
-        let dtype = if wi.dtype == wo.dtype {
+        let source = if wi.dtype == wo.dtype {
             wi.dtype
         } else {
             WeightDtype::F32
         };
-        plan.push((id, ExpertEncoding::Float(dtype)));
+        let encoding = options
+            .bits
+            .encoding(id)
+            .unwrap_or(ExpertEncoding::Float(source));
+        plan.push((id, encoding));
+    }
+    if let Some(unknown) = options.bits.experts.keys().find(|id| !experts.contains(id)) {
+        return Err(Error::Input(format!(
+            "the bit plan names {unknown}, which this model does not have"
+        )));
     }
     let store_path = options.out_dir.join(EXPERTS_FILE);
     let mut writer = ExpertStoreWriter::create(&store_path, &spec, &plan)?;
@@ -166,8 +180,12 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
         let (matrices, length) = layout_expert(&spec, encoding);
         let mut blob = vec![0u8; length as usize];
         for (m, t) in matrices.iter().zip([&wi, &wo]) {
-            let bytes = stored_bytes(t, encoding)?;
+            let (bytes, scales) = stored_bytes(t, encoding)?;
             blob[m.offset as usize..(m.offset + m.bytes) as usize].copy_from_slice(&bytes);
+            let at = m.scales_offset as usize;
+            for (i, s) in scales.iter().enumerate() {
+                blob[at + 4 * i..at + 4 * i + 4].copy_from_slice(&s.to_le_bytes());
+            }
         }
         writer.write_next(&blob)?;
         progress.inc(1);
@@ -200,15 +218,21 @@ fn expert_tensors<'a>(
     ))
 }
 
-/// A matrix's bytes in the store's encoding.
-fn stored_bytes(t: &TensorBytes<'_>, encoding: ExpertEncoding) -> Result<Vec<u8>> {
+/// A matrix's bytes in the store's encoding, and its per-row scales (quantized encodings).
+fn stored_bytes(t: &TensorBytes<'_>, encoding: ExpertEncoding) -> Result<(Vec<u8>, Vec<f32>)> {
     match encoding {
-        ExpertEncoding::Float(dtype) if dtype == t.dtype => Ok(t.data.to_vec()),
+        ExpertEncoding::Float(dtype) if dtype == t.dtype => Ok((t.data.to_vec(), Vec::new())),
         ExpertEncoding::Float(dtype) => {
             let converted = t.to_f32_tensor()?.f_to_kind(dtype.kind())?;
             let mut bytes = vec![0u8; converted.numel() * dtype.size_bytes()];
             converted.f_copy_data_u8(&mut bytes, converted.numel())?;
-            Ok(bytes)
+            Ok((bytes, Vec::new()))
+        }
+        ExpertEncoding::Quant(bits) => {
+            let weights = Vec::<f32>::try_from(t.to_f32_tensor()?.f_flatten(0, -1)?)?;
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            crate::quant::quantize(&weights, rows, cols, bits)
+                .map_err(|e| Error::tensor(t.path, t.name, e.to_string()))
         }
     }
 }

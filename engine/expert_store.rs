@@ -17,7 +17,9 @@
 //!
 //! A blob holds the expert's matrices back to back (`wi` [d_ff, d_model], then `wo`
 //! [d_model, d_ff], row-major, each starting on a 64-byte boundary inside the blob) in the
-//! expert's stored encoding. Each index entry records the blob's offset, its length, its
+//! expert's stored encoding: f32/f16/bf16 as is, or INT8/INT4/INT2 packed as `quant` documents
+//! (each row on a byte boundary) followed, on the next 64-byte boundary, by the matrix's
+//! per-row scales as little-endian f32. Each index entry records the blob's offset, its length, its
 //! encoding, its matrices and the CRC-32 of its `length` bytes, which is verified on every read.
 //! Page alignment keeps reads aligned for `O_DIRECT` and lets a blob land in a page-aligned slot.
 
@@ -31,10 +33,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{ModelSpec, Stack};
 use crate::error::{Error, Result};
+use crate::quant::QuantBits;
 use crate::weights::WeightDtype;
 
 pub const STORE_MAGIC: &[u8; 8] = b"EMOEXPRT";
-pub const STORE_VERSION: u32 = 1;
+pub const STORE_VERSION: u32 = 2;
 pub const HEADER_BYTES: usize = 32;
 /// Blob alignment: the page size of every board we target (and the `O_DIRECT` granule).
 pub const BLOB_ALIGN: u64 = 4096;
@@ -62,29 +65,65 @@ impl fmt::Display for ExpertId {
 }
 
 /// How an expert's matrices are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ExpertEncoding {
     /// Unquantized, in the given float type.
     Float(WeightDtype),
+    /// Channel-wise symmetric linear quantization (per-row f32 scales).
+    Quant(QuantBits),
 }
 
 impl ExpertEncoding {
+    pub const ALL: [ExpertEncoding; 6] = [
+        ExpertEncoding::Float(WeightDtype::F32),
+        ExpertEncoding::Float(WeightDtype::F16),
+        ExpertEncoding::Float(WeightDtype::BF16),
+        ExpertEncoding::Quant(QuantBits::Int8),
+        ExpertEncoding::Quant(QuantBits::Int4),
+        ExpertEncoding::Quant(QuantBits::Int2),
+    ];
+
     pub fn bits(self) -> u32 {
         match self {
             ExpertEncoding::Float(d) => 8 * d.size_bytes() as u32,
+            ExpertEncoding::Quant(q) => q.bits(),
         }
     }
 
+    /// `f32`, `f16`, `bf16`, `int8`, `int4`, `int2`.
     pub fn name(self) -> &'static str {
         match self {
             ExpertEncoding::Float(d) => d.name(),
+            ExpertEncoding::Quant(q) => q.name(),
         }
     }
 
-    /// Stored bytes of a `rows × cols` matrix.
+    pub fn parse(text: &str) -> Option<Self> {
+        let t = text.trim().to_ascii_lowercase();
+        let t = match t.as_str() {
+            "8" => "int8",
+            "4" => "int4",
+            "2" => "int2",
+            "16" => "f16",
+            "32" => "f32",
+            other => other,
+        };
+        Self::ALL.into_iter().find(|e| e.name() == t)
+    }
+
+    /// Stored bytes of a `rows × cols` matrix (without its scales).
     pub fn matrix_bytes(self, rows: usize, cols: usize) -> u64 {
         match self {
             ExpertEncoding::Float(d) => (rows * cols * d.size_bytes()) as u64,
+            ExpertEncoding::Quant(q) => q.matrix_bytes(rows, cols) as u64,
+        }
+    }
+
+    /// Bytes of the per-row scales of a `rows`-row matrix.
+    pub fn scales_bytes(self, rows: usize) -> u64 {
+        match self {
+            ExpertEncoding::Float(_) => 0,
+            ExpertEncoding::Quant(_) => 4 * rows as u64,
         }
     }
 }
@@ -99,6 +138,9 @@ pub struct MatrixEntry {
     /// Byte offset inside the blob.
     pub offset: u64,
     pub bytes: u64,
+    /// Offset and length of the per-row f32 scales (quantized encodings; 0 otherwise).
+    pub scales_offset: u64,
+    pub scales_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,14 +191,26 @@ pub fn layout_expert(spec: &ModelSpec, encoding: ExpertEncoding) -> (Vec<MatrixE
     for (name, rows, cols) in expert_matrix_shapes(spec) {
         offset = align_up(offset, MATRIX_ALIGN);
         let bytes = encoding.matrix_bytes(rows, cols);
+        let matrix_offset = offset;
+        offset += bytes;
+        let scales_bytes = encoding.scales_bytes(rows);
+        let scales_offset = if scales_bytes > 0 {
+            offset = align_up(offset, MATRIX_ALIGN);
+            let at = offset;
+            offset += scales_bytes;
+            at
+        } else {
+            0
+        };
         matrices.push(MatrixEntry {
             name: name.into(),
             rows: rows as u32,
             cols: cols as u32,
-            offset,
+            offset: matrix_offset,
             bytes,
+            scales_offset,
+            scales_bytes,
         });
-        offset += bytes;
     }
     (matrices, offset)
 }

@@ -17,6 +17,7 @@
 //! - [`generate`]: greedy decoding and beam search.
 //! - [`tokenizer`], [`summarize`], [`stats`]: the user-facing run.
 
+pub mod bit_plan;
 pub mod budget;
 pub mod bundle;
 pub mod cache;

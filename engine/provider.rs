@@ -212,6 +212,32 @@ pub fn decode_expert(
             .get(start..end)
             .ok_or_else(|| Error::Input(format!("{}: `{name}` outside its blob", entry.id)))?;
         match entry.encoding {
+            ExpertEncoding::Quant(bits) => {
+                let scales = bytes
+                    .get(m.scales_offset as usize..(m.scales_offset + m.scales_bytes) as usize)
+                    .ok_or_else(|| {
+                        Error::Input(format!("{}: `{name}` scales outside its blob", entry.id))
+                    })?;
+                // Scales sit on a 64-byte boundary of a page-aligned slot.
+                // SAFETY: any 4 initialised bytes are a valid f32.
+                let (head, scales, tail) = unsafe { scales.align_to::<f32>() };
+                if !head.is_empty() || !tail.is_empty() {
+                    return Err(Error::Input(format!("{}: misaligned scales", entry.id)));
+                }
+                let (rows, cols) = (m.rows as usize, m.cols as usize);
+                if out.numel() != rows * cols || out.kind() != Kind::Float || !out.is_contiguous() {
+                    return Err(Error::Input(format!(
+                        "{}: scratch shape mismatch",
+                        entry.id
+                    )));
+                }
+                // SAFETY: `out` is a contiguous f32 CPU tensor of rows × cols elements that
+                // nothing else reads while this slice lives.
+                let dest = unsafe {
+                    std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, rows * cols)
+                };
+                crate::quant::dequantize_into(stored, scales, rows, cols, bits, dest)?;
+            }
             ExpertEncoding::Float(dtype) => {
                 // SAFETY: `stored` holds rows × cols elements of `dtype` (checked by the store's
                 // layout validation); the view is dropped before this function returns, while

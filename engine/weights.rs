@@ -17,7 +17,7 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 
 /// Element type of a stored weight, as the engine names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum WeightDtype {
     F32,
     F16,

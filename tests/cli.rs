@@ -582,3 +582,63 @@ fn rouge_scores_files_and_eval_scores_a_corpus() {
     );
     assert_fails(&out, &["two.jsonl line 1", "summary"]);
 }
+
+#[test]
+fn convert_with_bits_and_plans() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = common::demo_checkpoint();
+    let out = dir.path().join("int4");
+    let done = run(
+        &[
+            "convert",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--bits",
+            "4",
+        ],
+        None,
+    );
+    assert!(done.status.success(), "{}", stderr(&done));
+    let inspect = run(&["inspect", out.to_str().unwrap()], None);
+    assert!(String::from_utf8_lossy(&inspect.stdout).contains("64 × int4 (4 bits)"));
+    let summary = run(
+        &["summarize", "--model", out.to_str().unwrap(), "-q"],
+        Some("Anna: hi"),
+    );
+    assert!(summary.status.success(), "{}", stderr(&summary));
+
+    let bad = run(
+        &[
+            "convert",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--bits",
+            "3",
+        ],
+        None,
+    );
+    assert_eq!(bad.status.code(), Some(2));
+    let plan = dir.path().join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"format": "edgemoe-bit-plan", "version": 1, "experts": [{"stack": "decoder", "block": 9, "expert": 0, "width": "int2"}]}"#,
+    )
+    .unwrap();
+    let bad = run(
+        &[
+            "convert",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--plan",
+            plan.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&bad, &["decoder block 9"]);
+}

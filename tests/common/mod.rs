@@ -37,6 +37,7 @@ pub fn convert_to(hf: &Path, dir: &Path) -> PathBuf {
         hf_dir: hf.to_path_buf(),
         out_dir: out.clone(),
         tokenizer: Some(t5_tokenizer()),
+        bits: Default::default(),
         show_progress: false,
     })
     .unwrap_or_else(|e| panic!("converting {}: {e}", hf.display()));
