@@ -25,7 +25,7 @@ echo "== calibrate: $CALIB train dialogues, measured on 100 validation dialogues
   --eval-data "$data/validation.jsonl" --eval-limit 100 --json "$out/calibration.json"
 
 # Held-out text: validation dialogues after the 100 used to measure the dictionary.
-tail -n +101 "$data/validation.jsonl" | head -n "$DOCS" > "$out/held-out.jsonl"
+awk -v n="$DOCS" 'NR > 100 && NR <= 100 + n' "$data/validation.jsonl" > "$out/held-out.jsonl"
 
 echo
 echo "== trace of $DOCS held-out dialogues (demand paging: no prefetch), replayed"

@@ -53,6 +53,53 @@ enum Command {
     Eval(EvalArgs),
     /// Score existing predictions against references (one text per line) with ROUGE.
     Rouge(RougeArgs),
+    /// Choose each expert's bit width for a tolerable accuracy loss (writes a plan for
+    /// `convert --plan`).
+    TuneBits(TuneBitsArgs),
+}
+
+#[derive(Args, Debug)]
+struct TuneBitsArgs {
+    /// Model bundle (its stored experts are the full-precision reference).
+    #[arg(
+        long,
+        value_name = "BUNDLE",
+        conflicts_with = "hf",
+        required_unless_present = "hf"
+    )]
+    model: Option<PathBuf>,
+    /// Or a Hugging Face checkpoint directory (converted at its own precision first).
+    #[arg(long, value_name = "DIR")]
+    hf: Option<PathBuf>,
+    /// Validation data: JSON lines with `dialogue`/`document` and `summary` fields.
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: PathBuf,
+    /// Tolerable loss, e.g. 5% or 0.05.
+    #[arg(long, value_parser = parse_fraction)]
+    max_loss: f64,
+    /// Use the first N validation examples.
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    limit: usize,
+    /// Most tokens generated per example (default: the model's generation config).
+    #[arg(long, value_name = "N")]
+    max_new_tokens: Option<usize>,
+    /// Plan to write; the report (PLAN.report.json), the importance heat map
+    /// (PLAN.importance.svg) and the measurement cache (PLAN.measurements.json) go beside it.
+    #[arg(long, value_name = "PLAN.json")]
+    out: PathBuf,
+}
+
+fn parse_fraction(text: &str) -> std::result::Result<f64, String> {
+    let t = text.trim();
+    let value = match t.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map(|v| v / 100.0),
+        None => t.parse::<f64>(),
+    }
+    .map_err(|_| format!("invalid loss `{text}` (e.g. 5% or 0.05)"))?;
+    if !(0.0..=1.0).contains(&value) {
+        return Err(format!("loss `{text}` must be between 0% and 100%"));
+    }
+    Ok(value)
 }
 
 #[derive(Args, Debug)]
@@ -278,6 +325,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Replay(args) => run_replay(args),
         Command::Eval(args) => run_eval(args),
         Command::Rouge(args) => run_rouge(args),
+        Command::TuneBits(args) => run_tune_bits(args),
     }
 }
 
@@ -646,5 +694,145 @@ fn run_rouge(args: RougeArgs) -> Result<()> {
     } else {
         print_rouge("", &mean);
     }
+    Ok(())
+}
+
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("plan");
+    path.with_file_name(format!("{stem}.{suffix}"))
+}
+
+fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
+    let temp;
+    let bundle_dir = match (&args.model, &args.hf) {
+        (Some(model), _) => model.clone(),
+        (None, Some(hf)) => {
+            temp = tempfile::tempdir().context("cannot create a temporary directory")?;
+            let out = temp.path().join("bundle");
+            convert(&ConvertOptions {
+                hf_dir: hf.clone(),
+                out_dir: out.clone(),
+                tokenizer: None,
+                bits: BitPlan::default(),
+                show_progress: true,
+            })?;
+            out
+        }
+        (None, None) => anyhow::bail!("pass --model BUNDLE or --hf DIR"),
+    };
+    let examples = edgemoe::eval::read_examples(&args.data, Some(args.limit))?;
+    if let Some(parent) = args.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let bundle = Bundle::open(&bundle_dir)?;
+    let store = bundle.open_store()?;
+    let source = store
+        .index()
+        .experts
+        .first()
+        .map(|e| e.encoding)
+        .context("the bundle has no experts")?;
+    if store.index().experts.iter().any(|e| e.encoding != source) {
+        anyhow::bail!(
+            "{}: experts are stored at mixed widths; tune from a full-precision bundle",
+            bundle_dir.display()
+        );
+    }
+    let widths = [
+        ExpertEncoding::Quant(edgemoe::quant::QuantBits::Int8),
+        ExpertEncoding::Quant(edgemoe::quant::QuantBits::Int4),
+        ExpertEncoding::Quant(edgemoe::quant::QuantBits::Int2),
+    ];
+    let experts = edgemoe::resident_experts::ResidentExperts::load(&store, &widths)?;
+    let model = bundle.load_model()?;
+    let tokenizer = bundle.tokenizer()?;
+    let generation = bundle.config.generation.clone();
+    let mut decode = DecodeOptions::from_defaults(&generation);
+    decode.num_beams = 1;
+    if let Some(n) = args.max_new_tokens {
+        decode.max_new_tokens = n;
+    }
+    let mut tuner = edgemoe::tune::Tuner::new(
+        &model,
+        experts,
+        &tokenizer,
+        &examples,
+        edgemoe::tune::EvalSettings {
+            prefix: generation.input_prefix.clone(),
+            max_source_tokens: generation.max_source_tokens,
+            decode,
+        },
+        &sibling(&args.out, "measurements.json"),
+        true,
+    )?;
+    let (plan, mut report) = tuner.tune(source, args.max_loss)?;
+    let references: Vec<String> = examples.iter().map(|e| e.reference.clone()).collect();
+    let fp_rouge2 = tuner.rouge2(None, &tokenizer, &references)?;
+    let plan_rouge2 = tuner.rouge2(Some(&plan), &tokenizer, &references)?;
+    let spec = &bundle.config.model;
+    let ids = edgemoe::model::switch::all_experts(spec);
+    report.expert_bytes = ids
+        .iter()
+        .filter_map(|&id| plan.encoding(id))
+        .map(|e| {
+            let (_, len) = edgemoe::expert_store::layout_expert(spec, e);
+            len
+        })
+        .sum();
+    plan.save(&args.out)?;
+    let importance: std::collections::BTreeMap<_, _> = ids
+        .iter()
+        .filter_map(|&id| {
+            report
+                .importance
+                .get(&edgemoe::tune::expert_key(id))
+                .map(|&v| (id, v))
+        })
+        .collect();
+    if !importance.is_empty() {
+        edgemoe::plot::importance_heatmap(
+            &importance,
+            &format!(
+                "expert importance: proxy loss at {} (others at {})",
+                report.lower.as_deref().unwrap_or("-"),
+                report.upper
+            ),
+            &sibling(&args.out, "importance.svg"),
+        )?;
+    }
+    let summary = serde_json::json!({
+        "tune": report,
+        "rouge2_full_precision": fp_rouge2,
+        "rouge2_plan": plan_rouge2,
+        "examples": examples.len(),
+    });
+    let report_path = sibling(&args.out, "report.json");
+    std::fs::write(&report_path, serde_json::to_string_pretty(&summary)? + "\n")
+        .map_err(|e| Error::io(&report_path, e))?;
+    println!(
+        "max loss {:.1}%: every expert at {} except {} at {} → proxy loss {:.2}%, experts {}",
+        100.0 * args.max_loss,
+        report.upper,
+        report.k,
+        report.lower.as_deref().unwrap_or("-"),
+        100.0 * report.plan_loss,
+        format_bytes(report.expert_bytes)
+    );
+    println!(
+        "uniform widths (proxy loss): {}",
+        report
+            .uniform_loss
+            .iter()
+            .map(|(w, l)| format!("{w} {:.2}%", 100.0 * l))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "ROUGE-2 on {} validation examples: full precision {:.2}, plan {:.2}",
+        examples.len(),
+        100.0 * fp_rouge2,
+        100.0 * plan_rouge2
+    );
+    println!("wrote {} and {}", args.out.display(), report_path.display());
     Ok(())
 }

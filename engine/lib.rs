@@ -34,10 +34,12 @@ pub mod plot;
 pub mod prefetch;
 pub mod provider;
 pub mod quant;
+pub mod resident_experts;
 pub mod rouge;
 pub mod stats;
 pub mod summarize;
 pub mod tokenizer;
+pub mod tune;
 pub mod weights;
 
 pub use error::{Error, Result};

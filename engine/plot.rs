@@ -7,7 +7,9 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use crate::cache::replay::ReplayResult;
+use crate::config::Stack;
 use crate::error::{Error, Result};
+use crate::expert_store::ExpertId;
 
 /// Hit ratio against buffer size, one line per policy (EdgeMoE Figure 13); Belady, the offline
 /// optimum, is drawn as the dashed upper line.
@@ -65,6 +67,79 @@ pub fn hit_ratio_vs_slots(results: &[ReplayResult], title: &str, path: &Path) ->
         .position(SeriesLabelPosition::LowerRight)
         .draw()
         .map_err(|e| plot_error(e.to_string()))?;
+    root.present().map_err(|e| plot_error(e.to_string()))?;
+    Ok(())
+}
+
+/// Importance of each expert (loss when it alone goes to the lower width) as a heat map: one
+/// row per MoE layer, one column per expert (EdgeMoE Figure 7a). Darker = more important.
+pub fn importance_heatmap(
+    importance: &BTreeMap<ExpertId, f64>,
+    title: &str,
+    path: &Path,
+) -> Result<()> {
+    let plot_error = |e: String| Error::format(path, format!("cannot draw the chart: {e}"));
+    let mut layers: Vec<(Stack, u16)> = importance.keys().map(|id| (id.stack, id.layer)).collect();
+    layers.dedup();
+    let experts = importance
+        .keys()
+        .map(|id| id.expert as usize + 1)
+        .max()
+        .unwrap_or(1);
+    let max = importance
+        .values()
+        .copied()
+        .fold(0.0f64, f64::max)
+        .max(1e-9);
+    let cell = 40u32;
+    let width = 160 + cell * experts as u32 + 40;
+    let height = 80 + cell * layers.len() as u32 + 60;
+    let root = SVGBackend::new(path, (width, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_error(e.to_string()))?;
+    root.draw(&Text::new(title.to_string(), (20, 20), ("sans-serif", 18)))
+        .map_err(|e| plot_error(e.to_string()))?;
+    for (row, (stack, block)) in layers.iter().enumerate() {
+        let y = 60 + row as i32 * cell as i32;
+        root.draw(&Text::new(
+            format!("{} block {block}", stack.hf_prefix()),
+            (10, y + cell as i32 / 2 - 6),
+            ("sans-serif", 13),
+        ))
+        .map_err(|e| plot_error(e.to_string()))?;
+        for expert in 0..experts {
+            let id = ExpertId {
+                stack: *stack,
+                layer: *block,
+                expert: expert as u16,
+            };
+            let Some(&value) = importance.get(&id) else {
+                continue;
+            };
+            let level = (value / max).clamp(0.0, 1.0);
+            let shade = (255.0 * (1.0 - level)) as u8;
+            let x = 160 + expert as i32 * cell as i32;
+            root.draw(&Rectangle::new(
+                [(x, y), (x + cell as i32 - 2, y + cell as i32 - 2)],
+                RGBColor(255, shade, shade).filled(),
+            ))
+            .map_err(|e| plot_error(e.to_string()))?;
+            root.draw(&Text::new(
+                format!("{:.2}", value),
+                (x + 4, y + cell as i32 / 2 - 6),
+                ("sans-serif", 10),
+            ))
+            .map_err(|e| plot_error(e.to_string()))?;
+        }
+    }
+    let y = 60 + layers.len() as i32 * cell as i32 + 10;
+    for expert in 0..experts {
+        root.draw(&Text::new(
+            format!("e{expert}"),
+            (160 + expert as i32 * cell as i32 + 10, y),
+            ("sans-serif", 12),
+        ))
+        .map_err(|e| plot_error(e.to_string()))?;
+    }
     root.present().map_err(|e| plot_error(e.to_string()))?;
     Ok(())
 }
