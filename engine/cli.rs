@@ -17,7 +17,9 @@ use edgemoe::config::Stack;
 use edgemoe::convert::{convert, ConvertOptions};
 use edgemoe::expert_store::{ExpertEncoding, StorageMode};
 use edgemoe::generate::DecodeOptions;
+use edgemoe::modes::Mode;
 use edgemoe::paths::PATHS_FILE;
+use edgemoe::profile::{DeviceKind, DeviceProfile};
 use edgemoe::provider::ExpertProvider;
 use edgemoe::stats::RunStats;
 use edgemoe::summarize::{parse_documents, CacheOptions, RunOptions, Summarizer};
@@ -56,6 +58,56 @@ enum Command {
     /// Choose each expert's bit width for a tolerable accuracy loss (writes a plan for
     /// `convert --plan`).
     TuneBits(TuneBitsArgs),
+    /// Run engine modes × budgets on a corpus, each in its own process, and report.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct BenchArgs {
+    /// Model bundle.
+    #[arg(long, value_name = "BUNDLE", default_value = DEFAULT_BUNDLE)]
+    model: PathBuf,
+    /// Bundle of the same model with quantized experts for io-qexp/q/q+p/q+p+c (default: an
+    /// all-INT4 copy made in --out).
+    #[arg(long, value_name = "BUNDLE")]
+    quantized: Option<PathBuf>,
+    /// Documents: JSON lines with a `dialogue` or `document` field.
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: PathBuf,
+    /// Use the first N documents.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    limit: usize,
+    /// Device profile (built-in name or TOML file).
+    #[arg(long, value_name = "NAME|FILE", default_value = "rpi4-sd")]
+    profile: String,
+    /// Modes to compare.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "io-free,io-exp,io-qexp,mmap,edgemoe,q,q+p,q+p+c"
+    )]
+    modes: Vec<Mode>,
+    /// Memory budgets (default: the profile's).
+    #[arg(long, value_delimiter = ',', value_parser = parse_budget, conflicts_with = "buffer_experts")]
+    budgets: Vec<u64>,
+    /// Buffer sizes in experts instead of budgets (for models far smaller than the board).
+    #[arg(long, value_delimiter = ',')]
+    buffer_experts: Vec<usize>,
+    /// Storage: `emulate` paces reads to the profile (default), `direct`, `cached`.
+    #[arg(long, default_value = "emulate", value_parser = parse_storage)]
+    storage: StorageMode,
+    /// Most tokens generated per document (default: the model's generation config).
+    #[arg(long, value_name = "N")]
+    max_new_tokens: Option<usize>,
+    /// Memory a run may use beyond its budget inside the cgroup (binary, libtorch, allocator).
+    #[arg(long, value_parser = parse_budget, default_value = "384MiB")]
+    cgroup_overhead: u64,
+    /// Do not confine runs to a memory cgroup.
+    #[arg(long)]
+    no_cgroup: bool,
+    /// Output directory.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -113,9 +165,6 @@ struct EvalArgs {
     /// Use the first N examples.
     #[arg(long, value_name = "N")]
     limit: Option<usize>,
-    /// Memory budget (see `summarize`).
-    #[arg(long, default_value = "1.5GiB", value_parser = parse_budget)]
-    budget: u64,
     /// Most tokens to generate per document (default: the model's generation config).
     #[arg(long, value_name = "N")]
     max_new_tokens: Option<usize>,
@@ -185,9 +234,6 @@ struct SummarizeArgs {
     /// `dialogue` or `document` field give one summary per line.
     #[arg(long, value_name = "FILE", default_value = "-")]
     input: String,
-    /// Memory budget for resident weights + expert buffer + working memory (e.g. 1.5GiB, 600MiB).
-    #[arg(long, default_value = "1.5GiB", value_parser = parse_budget)]
-    budget: u64,
     /// Most tokens to generate per document (default: the model's generation config).
     #[arg(long, value_name = "N")]
     max_new_tokens: Option<usize>,
@@ -213,16 +259,34 @@ struct SummarizeArgs {
     cache: CacheArgs,
 }
 
-/// Expert buffer options shared by every command that runs the model.
+/// How a run uses memory, storage and the expert buffer (every command that runs the model).
+/// Explicit flags override the profile's values.
 #[derive(Args, Debug)]
 struct CacheArgs {
-    /// Eviction policy: edgemoe, edgemoe-paper, lru, lfu or fifo.
+    /// Device profile: a built-in name (rpi4-sd, rpi5-sd, rpi5-nvme, jetson-tx2-ssd,
+    /// jetson-tx2-hdd, jetson-orin-nano-nvme) or a TOML file. Sets budget, storage speed for
+    /// `--storage emulate`, threads, device, policy and prefetch cap.
+    #[arg(long, value_name = "NAME|FILE")]
+    profile: Option<String>,
+    /// Memory budget for resident weights + expert buffer + working memory (e.g. 1.5GiB,
+    /// 600MiB; default: the profile's, else 1.5GiB).
+    #[arg(long, value_parser = parse_budget)]
+    budget: Option<u64>,
+    /// Engine mode: edgemoe (default), io-free, io-exp, io-qexp, mmap, q, q+p, q+p+c.
     #[arg(long, default_value = "edgemoe")]
-    policy: Policy,
+    mode: Mode,
+    /// Bundle of the same model with quantized experts, for io-qexp, q, q+p and q+p+c.
+    #[arg(long, value_name = "BUNDLE")]
+    quantized: Option<PathBuf>,
+    /// Eviction policy: edgemoe, edgemoe-paper, lru, lfu or fifo (default: the profile's, else
+    /// edgemoe).
+    #[arg(long)]
+    policy: Option<Policy>,
     /// Do not start the prefetch thread (no dictionary prefetch, no read/compute overlap).
     #[arg(long)]
     no_prefetch: bool,
-    /// Most speculative bytes prefetched per token (default: two experts per decoder MoE layer).
+    /// Most speculative bytes prefetched per token (default: the profile's, else two experts
+    /// per decoder MoE layer).
     #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
     prefetch_cap: Option<u64>,
     /// Size the expert buffer in experts instead of from the budget (still checked against it).
@@ -231,33 +295,100 @@ struct CacheArgs {
     /// Record every expert access (demand, prefetch, cancel) into FILE (JSON lines).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
-    /// How expert reads reach the store: `direct` bypasses the page cache (O_DIRECT, as on a
-    /// board whose RAM cannot cache the experts; falls back with a warning where refused),
-    /// `cached` goes through it.
+    /// How expert reads reach the store: `direct` bypasses the page cache (O_DIRECT, falling
+    /// back with a warning where refused), `cached` goes through it, `emulate` paces direct
+    /// reads to the profile's bandwidth and per-read latency.
     #[arg(long, value_name = "MODE", default_value = "direct", value_parser = parse_storage)]
     storage: StorageMode,
+    /// Compute threads (default: the profile's, else libtorch's choice).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
+    /// Where the dense math runs: cpu (CUDA is not implemented in this build).
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<String>,
 }
 
 fn parse_storage(text: &str) -> std::result::Result<StorageMode, String> {
     match text {
         "direct" => Ok(StorageMode::Direct),
         "cached" => Ok(StorageMode::Cached),
+        "emulate" => Ok(StorageMode::Emulate),
         other => Err(format!(
-            "unknown storage mode `{other}` (expected direct or cached)"
+            "unknown storage mode `{other}` (expected direct, cached or emulate)"
         )),
     }
 }
 
+/// A run's resolved settings.
+struct RunSettings {
+    budget_bytes: u64,
+    cache: CacheOptions,
+    profile: Option<DeviceProfile>,
+}
+
 impl CacheArgs {
-    fn options(&self) -> CacheOptions {
-        CacheOptions {
-            policy: self.policy,
-            prefetch: !self.no_prefetch,
-            prefetch_cap_bytes: self.prefetch_cap,
-            buffer_experts: self.buffer_experts.map(|n| n as usize),
-            trace: self.trace.clone(),
-            storage: self.storage,
+    /// Flags over profile over defaults; applies the thread count.
+    fn resolve(&self) -> Result<RunSettings> {
+        let profile = self
+            .profile
+            .as_deref()
+            .map(DeviceProfile::load)
+            .transpose()?;
+        let device = self
+            .device
+            .clone()
+            .or_else(|| {
+                profile.as_ref().map(|p| match p.device {
+                    DeviceKind::Cpu => "cpu".to_string(),
+                    DeviceKind::Cuda => "cuda".to_string(),
+                })
+            })
+            .unwrap_or_else(|| "cpu".into());
+        if device != "cpu" {
+            anyhow::bail!(
+                "device `{device}`{}: this build runs the dense math on the CPU only; pass --device cpu",
+                profile
+                    .as_ref()
+                    .map(|p| format!(" (from profile {})", p.name))
+                    .unwrap_or_default()
+            );
         }
+        // A profile's thread count is the board's; here it is capped at this machine's cores
+        // (more OpenMP threads than cores make libtorch spin and stall).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = self
+            .threads
+            .map(usize::from)
+            .or(profile.as_ref().map(|p| p.threads.min(cores)));
+        if let Some(threads) = threads {
+            tch::set_num_threads(threads as i32);
+        }
+        let budget_bytes = self
+            .budget
+            .or(profile.as_ref().map(|p| p.budget_bytes))
+            .unwrap_or(3 << 29);
+        Ok(RunSettings {
+            budget_bytes,
+            cache: CacheOptions {
+                policy: self
+                    .policy
+                    .or(profile.as_ref().map(|p| p.policy))
+                    .unwrap_or_else(|| edgemoe::modes::default_policy(self.mode)),
+                prefetch: !self.no_prefetch,
+                prefetch_cap_bytes: self
+                    .prefetch_cap
+                    .or(profile.as_ref().map(|p| p.prefetch_cap_bytes)),
+                buffer_experts: self.buffer_experts.map(|n| n as usize),
+                trace: self.trace.clone(),
+                storage: self.storage,
+                emulated_device: profile
+                    .as_ref()
+                    .map(|p| (p.read_bytes_per_s, p.read_latency)),
+                mode: self.mode,
+                quantized_bundle: self.quantized.clone(),
+            },
+            profile,
+        })
     }
 }
 
@@ -326,6 +457,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Eval(args) => run_eval(args),
         Command::Rouge(args) => run_rouge(args),
         Command::TuneBits(args) => run_tune_bits(args),
+        Command::Bench(args) => run_bench(args),
     }
 }
 
@@ -393,14 +525,15 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
     if let Some(n) = args.no_repeat_ngram_size {
         decode.no_repeat_ngram_size = n;
     }
+    let settings = args.cache.resolve()?;
     let options = RunOptions {
-        budget_bytes: args.budget,
+        budget_bytes: settings.budget_bytes,
         decode,
         max_source_tokens: args
             .max_source_tokens
             .map(|n| n as usize)
             .unwrap_or(generation.max_source_tokens),
-        cache: args.cache.options(),
+        cache: settings.cache,
     };
     drop(bundle);
     let mut summarizer = Summarizer::open(&args.model, options)?;
@@ -423,12 +556,13 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
         generations.push((source_tokens, generation));
     }
     summarizer.buffer.finish_trace()?;
-    let stats = RunStats::new(
+    let mut stats = RunStats::new(
         &generations,
         summarizer.buffer.stats(),
         &summarizer.plan,
         &summarizer.options.cache,
     );
+    stats.profile = settings.profile.map(|p| p.name);
     if !args.quiet {
         eprintln!("{}", stats.summary_line());
     }
@@ -653,13 +787,14 @@ fn run_eval(args: EvalArgs) -> Result<()> {
     if let Some(b) = args.beams {
         decode.num_beams = b as usize;
     }
+    let settings = args.cache.resolve()?;
     let mut summarizer = Summarizer::open(
         &args.model,
         RunOptions {
-            budget_bytes: args.budget,
+            budget_bytes: settings.budget_bytes,
             decode,
             max_source_tokens: generation.max_source_tokens,
-            cache: args.cache.options(),
+            cache: settings.cache,
         },
     )?;
     for warning in &summarizer.warnings {
@@ -834,5 +969,261 @@ fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
         100.0 * plan_rouge2
     );
     println!("wrote {} and {}", args.out.display(), report_path.display());
+    Ok(())
+}
+
+fn run_bench(args: BenchArgs) -> Result<()> {
+    use edgemoe::bench::{self, BenchRow, BenchRun, Cgroup};
+    let profile = DeviceProfile::load(&args.profile)?;
+    std::fs::create_dir_all(args.out.join("runs")).map_err(|e| Error::io(&args.out, e))?;
+    // The documents, as JSON lines for the child processes.
+    let documents = read_documents(&args.data, Some(args.limit))?;
+    let input = args.out.join("input.jsonl");
+    let lines: Vec<String> = documents
+        .iter()
+        .map(|d| serde_json::json!({ "document": d }).to_string())
+        .collect();
+    std::fs::write(&input, lines.join("\n") + "\n").map_err(|e| Error::io(&input, e))?;
+    let quantized = match (
+        &args.quantized,
+        args.modes.iter().any(|m| m.uses_quantized_store()),
+    ) {
+        (Some(q), _) => Some(q.clone()),
+        (None, true) => {
+            let q = args.out.join("quantized-int4");
+            eprintln!(
+                "writing an all-INT4 copy of {} into {}",
+                args.model.display(),
+                q.display()
+            );
+            edgemoe::convert::requantize_bundle(
+                &args.model,
+                &q,
+                &BitPlan::uniform(ExpertEncoding::Quant(edgemoe::quant::QuantBits::Int4)),
+            )?;
+            Some(q)
+        }
+        (None, false) => None,
+    };
+    let mut runs = Vec::new();
+    for &mode in &args.modes {
+        if args.buffer_experts.is_empty() {
+            let budgets = if args.budgets.is_empty() {
+                vec![profile.budget_bytes]
+            } else {
+                args.budgets.clone()
+            };
+            for b in budgets {
+                runs.push(BenchRun {
+                    mode,
+                    budget_bytes: Some(b),
+                    buffer_experts: None,
+                });
+            }
+        } else {
+            for &n in &args.buffer_experts {
+                runs.push(BenchRun {
+                    mode,
+                    budget_bytes: None,
+                    buffer_experts: Some(n),
+                });
+            }
+        }
+    }
+    let exe = std::env::current_exe().context("cannot find the edgemoe executable")?;
+    let progress = bench::progress(runs.len());
+    let mut rows: Vec<BenchRow> = Vec::new();
+    let mut outputs: Vec<(Mode, String)> = Vec::new();
+    let mut cgroup_note = None;
+    for (i, run) in runs.iter().enumerate() {
+        let label = format!(
+            "{} {}",
+            run.mode,
+            run.buffer_experts
+                .map(|n| format!("{n} experts"))
+                .unwrap_or_else(|| format_bytes(run.budget_bytes.unwrap_or(profile.budget_bytes)))
+        );
+        progress.set_message(label.clone());
+        let budget = run.budget_bytes.unwrap_or(profile.budget_bytes);
+        let stats_path = args
+            .out
+            .join("runs")
+            .join(format!("{i:02}-{}.json", run.mode.name().replace('+', "p")));
+        let mut command = std::process::Command::new(&exe);
+        command
+            .arg("summarize")
+            .arg("--model")
+            .arg(&args.model)
+            .arg("--input")
+            .arg(&input)
+            .arg("--mode")
+            .arg(run.mode.name())
+            .arg("--profile")
+            .arg(&args.profile)
+            .arg("--device")
+            .arg("cpu")
+            .arg("--storage")
+            .arg(match args.storage {
+                StorageMode::Cached => "cached",
+                StorageMode::Direct => "direct",
+                StorageMode::Emulate => "emulate",
+            })
+            .arg("--budget")
+            .arg(budget.to_string())
+            .arg("--stats-json")
+            .arg(&stats_path)
+            .arg("--ids")
+            .arg("-q");
+        if let Some(n) = run.buffer_experts {
+            command.arg("--buffer-experts").arg(n.to_string());
+        }
+        if let Some(n) = args.max_new_tokens {
+            command.arg("--max-new-tokens").arg(n.to_string());
+        }
+        if let Some(q) = &quantized {
+            command.arg("--quantized").arg(q);
+        }
+        for bundle in std::iter::once(&args.model).chain(quantized.as_ref()) {
+            bench::drop_cached_pages(&bundle.join(EXPERTS_FILE));
+        }
+        let cgroup = if args.no_cgroup {
+            None
+        } else {
+            Cgroup::create(i, budget + args.cgroup_overhead)
+        };
+        if cgroup.is_none() && !args.no_cgroup && cgroup_note.is_none() {
+            cgroup_note =
+                Some("no writable memory cgroup here: runs are not confined to their budget");
+            eprintln!("warning: {}", cgroup_note.unwrap_or_default());
+        }
+        let output = bench::run_child(command, cgroup.as_ref())?;
+        progress.inc(1);
+        if !output.status.success() {
+            progress.suspend(|| {
+                eprintln!(
+                    "warning: {label} failed ({}): {}",
+                    output.status,
+                    String::from_utf8_lossy(&output.stderr).trim()
+                )
+            });
+            continue;
+        }
+        let stats: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&stats_path).map_err(|e| Error::io(&stats_path, e))?,
+        )?;
+        let f = |k: &str| stats[k].as_f64().unwrap_or(0.0);
+        let ids = String::from_utf8_lossy(&output.stdout).into_owned();
+        let reference_mode = if run.mode.uses_quantized_store() {
+            Mode::IoQexp
+        } else {
+            Mode::IoFree
+        };
+        let reference = outputs
+            .iter()
+            .find(|(m, _)| *m == reference_mode)
+            .or_else(|| {
+                outputs
+                    .iter()
+                    .find(|(m, _)| m.uses_quantized_store() == run.mode.uses_quantized_store())
+            });
+        let matches = reference.map(|(_, r)| *r == ids);
+        outputs.push((run.mode, ids));
+        rows.push(BenchRow {
+            mode: run.mode.name().into(),
+            profile: profile.name.clone(),
+            budget_bytes: budget,
+            buffer_experts: run.buffer_experts,
+            buffer_slots: stats["buffer_slots"].as_u64().unwrap_or(0) as usize,
+            decode_ms_per_token: f("decode_ms_per_token"),
+            p50_ms: f("p50_ms"),
+            p90_ms: f("p90_ms"),
+            sample_ms: {
+                let v: Vec<f64> = stats["samples"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|s| s["sample_ms"].as_f64()).collect())
+                    .unwrap_or_default();
+                v.iter().sum::<f64>() / v.len().max(1) as f64
+            },
+            sample_ms_all: stats["samples"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|s| s["sample_ms"].as_f64()).collect())
+                .unwrap_or_default(),
+            peak_rss_bytes: stats["peak_rss_bytes"].as_u64().unwrap_or(0),
+            cgroup_peak_bytes: cgroup.as_ref().and_then(Cgroup::peak_bytes),
+            bytes_read_per_token: f("bytes_read_per_token"),
+            stall_ms_per_token: f("stall_ms_per_token"),
+            hit_ratio: f("hit_ratio"),
+            tokens: stats["tokens_generated"].as_u64().unwrap_or(0),
+            outputs_match_reference: matches,
+        });
+    }
+    progress.finish_and_clear();
+    let results = args.out.join("results.json");
+    std::fs::write(&results, serde_json::to_string_pretty(&rows)? + "\n")
+        .map_err(|e| Error::io(&results, e))?;
+    let mut md = format!(
+        "{} documents from {}, profile {} ({}), storage {:?}{}\n\n",
+        documents.len(),
+        args.data.display(),
+        profile.name,
+        profile.description,
+        args.storage,
+        cgroup_note.map(|n| format!("; {n}")).unwrap_or_default()
+    );
+    md += &bench::markdown(&rows);
+    let md_path = args.out.join("results.md");
+    std::fs::write(&md_path, &md).map_err(|e| Error::io(&md_path, e))?;
+    print!("{md}");
+    let title = format!("{} · {}", profile.name, args.model.display());
+    bench::plot_latency_bars(
+        &rows,
+        &format!("per-token latency · {title}"),
+        &args.out.join("latency.svg"),
+    )?;
+    bench::plot_latency_vs_budget(
+        &rows,
+        &format!("latency vs memory · {title}"),
+        &args.out.join("latency-vs-budget.svg"),
+    )?;
+    bench::plot_sample_cdf(
+        &rows,
+        &format!("per-sample latency · {title}"),
+        &args.out.join("sample-cdf.svg"),
+    )?;
+    let ablation: Vec<BenchRow> = ["io-exp", "q", "q+p", "q+p+c"]
+        .iter()
+        .filter_map(|m| rows.iter().find(|r| r.mode == *m).cloned())
+        .collect();
+    if !ablation.is_empty() {
+        bench::plot_latency_bars(
+            &ablation,
+            &format!("ablation · {title}"),
+            &args.out.join("ablation.svg"),
+        )?;
+    }
+    // The headline ratios.
+    let first = |m: &str| {
+        rows.iter()
+            .find(|r| r.mode == m)
+            .map(|r| r.decode_ms_per_token)
+    };
+    if let Some(e) = first("edgemoe") {
+        for base in ["io-exp", "io-qexp", "mmap", "io-free"] {
+            if let Some(b) = first(base) {
+                println!(
+                    "edgemoe vs {base}: {:.2}× ({:.2} vs {:.2} ms/token)",
+                    b / e,
+                    e,
+                    b
+                );
+            }
+        }
+    }
+    println!(
+        "wrote {}, {} and plots in {}",
+        results.display(),
+        md_path.display(),
+        args.out.display()
+    );
     Ok(())
 }

@@ -236,3 +236,72 @@ fn stored_bytes(t: &TensorBytes<'_>, encoding: ExpertEncoding) -> Result<(Vec<u8
         }
     }
 }
+
+/// Writes a copy of bundle `source` into `out` with its experts re-encoded by `bits`
+/// (decoded to f32 and quantized again; non-expert files copied as they are).
+pub fn requantize_bundle(source: &Path, out: &Path, bits: &BitPlan) -> Result<()> {
+    use crate::bundle::Bundle;
+    let bundle = Bundle::open(source)?;
+    let spec = bundle.config.model.clone();
+    let store = bundle.open_store()?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let config_out = out.join(CONFIG_FILE);
+    if config_out.exists() {
+        std::fs::remove_file(&config_out).map_err(|e| Error::io(&config_out, e))?;
+    }
+    let plan: Vec<_> = store
+        .index()
+        .experts
+        .iter()
+        .map(|e| (e.id, bits.encoding(e.id).unwrap_or(e.encoding)))
+        .collect();
+    let store_path = out.join(EXPERTS_FILE);
+    let mut writer = ExpertStoreWriter::create(&store_path, &spec, &plan)?;
+    let mut slot = crate::provider::AlignedBuf::new(store.max_padded_expert_bytes() as usize);
+    let mut wi = tch::Tensor::zeros(
+        [spec.d_ff as i64, spec.d_model as i64],
+        (tch::Kind::Float, tch::Device::Cpu),
+    );
+    let mut wo = tch::Tensor::zeros(
+        [spec.d_model as i64, spec.d_ff as i64],
+        (tch::Kind::Float, tch::Device::Cpu),
+    );
+    for &(id, encoding) in &plan {
+        let entry = store.entry(id).expect("listed by the store").clone();
+        store.read_expert(id, slot.as_mut_slice())?;
+        crate::provider::decode_expert(&entry, slot.as_slice(), &mut wi, &mut wo)?;
+        let (matrices, length) = layout_expert(&spec, encoding);
+        let mut blob = vec![0u8; length as usize];
+        for (m, t) in matrices.iter().zip([&wi, &wo]) {
+            let values = Vec::<f32>::try_from(t.f_flatten(0, -1)?)?;
+            let bytes = values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>();
+            let view = TensorBytes {
+                name: &m.name,
+                path: &store_path,
+                dtype: WeightDtype::F32,
+                shape: &[m.rows as usize, m.cols as usize],
+                data: &bytes,
+            };
+            let (packed, scales) = stored_bytes(&view, encoding)?;
+            blob[m.offset as usize..(m.offset + m.bytes) as usize].copy_from_slice(&packed);
+            let at = m.scales_offset as usize;
+            for (i, s) in scales.iter().enumerate() {
+                blob[at + 4 * i..at + 4 * i + 4].copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        writer.write_next(&blob)?;
+    }
+    writer.finish()?;
+    for file in [RESIDENT_FILE, TOKENIZER_FILE, crate::paths::PATHS_FILE] {
+        let from = source.join(file);
+        if from.exists() {
+            let to = out.join(file);
+            std::fs::copy(&from, &to).map_err(|e| Error::io(&to, e))?;
+        }
+    }
+    let json = serde_json::to_string_pretty(&bundle.config).expect("config serializes");
+    std::fs::write(&config_out, json + "\n").map_err(|e| Error::io(&config_out, e))
+}

@@ -17,6 +17,7 @@
 //! - [`generate`]: greedy decoding and beam search.
 //! - [`tokenizer`], [`summarize`], [`stats`]: the user-facing run.
 
+pub mod bench;
 pub mod bit_plan;
 pub mod budget;
 pub mod bundle;
@@ -29,9 +30,11 @@ pub mod eval;
 pub mod expert_store;
 pub mod generate;
 pub mod model;
+pub mod modes;
 pub mod paths;
 pub mod plot;
 pub mod prefetch;
+pub mod profile;
 pub mod provider;
 pub mod quant;
 pub mod resident_experts;

@@ -43,6 +43,9 @@ pub struct RunStats {
     /// Time the compute thread waited for expert bytes (its reads + reads in flight).
     pub stall_ms: f64,
     pub stall_ms_per_token: f64,
+    pub mode: String,
+    /// Device profile the run used, if any.
+    pub profile: Option<String>,
     pub policy: String,
     pub prefetch_enabled: bool,
     pub prefetch: PrefetchStats,
@@ -139,6 +142,8 @@ impl RunStats {
             read_ms: experts.read_ms,
             stall_ms: experts.stall_ms,
             stall_ms_per_token: experts.stall_ms / steps_total,
+            mode: cache.mode.name().into(),
+            profile: None,
             policy: cache.policy.name().into(),
             prefetch_enabled: cache.prefetch,
             prefetch: experts.prefetch.clone(),
@@ -157,7 +162,7 @@ impl RunStats {
     /// `64 tokens, 41.2 tokens/s (24.3 ms/token) · expert hit ratio 87.5% (224/256) · read 12.0 MiB · peak RSS 310 MiB`
     pub fn summary_line(&self) -> String {
         format!(
-            "{} tokens, {:.1} tokens/s ({:.1} ms/token) · expert hit ratio {:.1}% ({}/{}) · read {} from the expert store, stalled {:.1} ms · {} policy, prefetch {} · buffer {} slots ({}) of budget {} · peak RSS {}",
+            "{} tokens, {:.1} tokens/s ({:.1} ms/token) · expert hit ratio {:.1}% ({}/{}) · read {} from the expert store, stalled {:.1} ms · mode {}, {} policy, prefetch {} · buffer {} slots ({}) of budget {} · peak RSS {}",
             self.tokens_generated,
             self.tokens_per_s,
             self.decode_ms_per_token,
@@ -166,6 +171,7 @@ impl RunStats {
             self.expert_accesses,
             format_bytes(self.bytes_read),
             self.stall_ms,
+            self.mode,
             self.policy,
             if self.prefetch_enabled {
                 format!("on ({} issued, {} useful)", self.prefetch.issued, self.prefetch.useful)

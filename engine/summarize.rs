@@ -9,11 +9,13 @@ use crate::budget::{working_bytes, BudgetPlan, RunShape};
 use crate::bundle::Bundle;
 use crate::cache::Policy;
 use crate::error::{Error, Result};
-use crate::expert_store::{ExpertStore, StorageMode};
+use crate::expert_store::{ExpertStore, ReadPacer, StorageMode};
 use crate::generate::{generate, DecodeOptions, Generation};
 use crate::model::SwitchModel;
+use crate::modes::{DemandLoader, ExpertSource, MappedExperts, Mode};
 use crate::paths::{PathDictionary, PATHS_FILE};
 use crate::provider::{BufferOptions, ExpertBuffer, ExpertProvider};
+use crate::resident_experts::ResidentExperts;
 use crate::tokenizer::Tokenizer;
 
 /// Splits user input into documents. Input whose first non-empty line starts with `{` is read as
@@ -81,6 +83,12 @@ pub struct CacheOptions {
     /// Record every expert access into this file.
     pub trace: Option<PathBuf>,
     pub storage: StorageMode,
+    /// Emulated device for `StorageMode::Emulate`: bytes per second and per-read latency.
+    pub emulated_device: Option<(f64, std::time::Duration)>,
+    pub mode: Mode,
+    /// Bundle whose (quantized) expert store the quantized modes use (`io-qexp`, `q`, `q+p`,
+    /// `q+p+c`); same model, other widths.
+    pub quantized_bundle: Option<PathBuf>,
 }
 
 impl Default for CacheOptions {
@@ -92,6 +100,9 @@ impl Default for CacheOptions {
             buffer_experts: None,
             trace: None,
             storage: StorageMode::Cached,
+            emulated_device: None,
+            mode: Mode::Edgemoe,
+            quantized_bundle: None,
         }
     }
 }
@@ -100,7 +111,8 @@ impl Default for CacheOptions {
 pub struct Summarizer {
     pub model: SwitchModel,
     pub tokenizer: Tokenizer,
-    pub buffer: ExpertBuffer,
+    /// Where experts come from (the expert buffer in `edgemoe` mode).
+    pub buffer: ExpertSource,
     pub plan: BudgetPlan,
     pub options: RunOptions,
     /// The bundle's activation-path dictionary, if it has been calibrated.
@@ -114,11 +126,45 @@ impl Summarizer {
     pub fn open(bundle_dir: &Path, options: RunOptions) -> Result<Self> {
         let bundle = Bundle::open(bundle_dir)?;
         let spec = bundle.config.model.clone();
-        let (store, warning) = ExpertStore::open_with(
-            &bundle.path(crate::bundle::EXPERTS_FILE),
+        let mode = options.cache.mode;
+        let store_bundle = match (&options.cache.quantized_bundle, mode.uses_quantized_store()) {
+            (Some(q), true) => {
+                let other = Bundle::open(q)?;
+                if other.config.model != spec {
+                    return Err(Error::Input(format!(
+                        "{}: the quantized bundle is not the same model as {}",
+                        q.display(),
+                        bundle_dir.display()
+                    )));
+                }
+                other
+            }
+            (None, true) => {
+                return Err(Error::Input(format!(
+                    "mode `{mode}` needs a quantized bundle of the same model (--quantized BUNDLE)"
+                )))
+            }
+            _ => Bundle::open(bundle_dir)?,
+        };
+        let storage = match (mode, options.cache.storage) {
+            // The page cache is what mmap is about.
+            (Mode::Mmap, _) => StorageMode::Cached,
+            (_, s) => s,
+        };
+        let (mut store, warning) = ExpertStore::open_with(
+            &store_bundle.path(crate::bundle::EXPERTS_FILE),
             &spec,
-            options.cache.storage,
+            storage,
         )?;
+        let pacer = match (options.cache.storage, options.cache.emulated_device) {
+            (StorageMode::Emulate, Some((bw, latency))) => Some(ReadPacer::new(bw, latency)),
+            (StorageMode::Emulate, None) => {
+                return Err(Error::Input(
+                    "--storage emulate needs a device profile (--profile NAME)".into(),
+                ))
+            }
+            _ => None,
+        };
         let tokenizer = bundle.tokenizer()?;
         let model = bundle.load_model()?;
         let working = working_bytes(
@@ -130,7 +176,7 @@ impl Summarizer {
             },
         );
         let slot_bytes = store.max_padded_expert_bytes();
-        let plan = BudgetPlan::new(
+        let mut plan = BudgetPlan::new(
             options.budget_bytes,
             model.resident_bytes(),
             working,
@@ -145,20 +191,47 @@ impl Summarizer {
             None
         };
         let decoder_moe_layers = spec.moe_blocks(crate::config::Stack::Decoder).len() as u64;
-        let mut buffer = ExpertBuffer::with_options(
-            store,
-            &spec,
-            &BufferOptions {
-                slots: plan.slots,
-                policy: options.cache.policy,
-                prefetch: options.cache.prefetch,
-                prefetch_cap_bytes: options
-                    .cache
-                    .prefetch_cap_bytes
-                    .unwrap_or(2 * decoder_moe_layers.max(1) * slot_bytes),
-            },
-            dictionary.clone(),
-        )?;
+        let buffered = |slots: usize, prefetch: bool, store: ExpertStore| {
+            ExpertBuffer::with_options(
+                store,
+                &spec,
+                &BufferOptions {
+                    slots,
+                    policy: options.cache.policy,
+                    prefetch,
+                    prefetch_cap_bytes: options
+                        .cache
+                        .prefetch_cap_bytes
+                        .unwrap_or(2 * decoder_moe_layers.max(1) * slot_bytes),
+                },
+                dictionary.clone(),
+            )
+            .map(|b| ExpertSource::Buffer(Box::new(b)))
+        };
+        if mode != Mode::Mmap {
+            store.set_pacer(pacer.clone());
+        }
+        let mut buffer = match mode {
+            Mode::Edgemoe | Mode::QPC => buffered(plan.slots, options.cache.prefetch, store)?,
+            Mode::QP => {
+                plan.slots = 2;
+                buffered(2, true, store)?
+            }
+            Mode::IoExp | Mode::IoQexp | Mode::Q => {
+                plan.slots = 1;
+                ExpertSource::Demand(DemandLoader::new(store, &spec))
+            }
+            Mode::Mmap => {
+                plan.slots = 0;
+                ExpertSource::Mapped(MappedExperts::new(store, &spec, pacer)?)
+            }
+            Mode::IoFree => {
+                let resident = ResidentExperts::load(&store, &[])?;
+                plan.slots = 0;
+                plan.resident_bytes += resident.bytes();
+                ExpertSource::Resident(resident)
+            }
+        };
         if let Some(trace) = &options.cache.trace {
             buffer.record_trace(trace)?;
         }

@@ -216,11 +216,15 @@ fn tiny_buffer_with_prefetch_survives_many_tokens_and_shuts_down() {
         );
         let got = summarize_all(&mut s, &docs);
         assert_eq!(got, reference, "{slots} slots");
-        assert_eq!(s.buffer.slot_count(), slots, "slots are fixed");
+        assert_eq!(
+            s.buffer.as_buffer().unwrap().slot_count(),
+            slots,
+            "slots are fixed"
+        );
         let stats = s.buffer.stats().clone();
         assert!(stats.accesses > 500, "{stats:?}");
         assert!(stats.prefetch.issued > 0);
-        let exited = s.buffer.prefetch_exit_flag().unwrap();
+        let exited = s.buffer.as_buffer().unwrap().prefetch_exit_flag().unwrap();
         assert!(!exited.load(Ordering::Acquire));
         drop(s);
         assert!(

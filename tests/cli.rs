@@ -642,3 +642,96 @@ fn convert_with_bits_and_plans() {
     );
     assert_fails(&bad, &["decoder block 9"]);
 }
+
+#[test]
+fn bench_smoke_two_modes_with_emulated_storage() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let out = dir.path().join("bench");
+    let done = run(
+        &[
+            "bench",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--data",
+            common::samsum("test").to_str().unwrap(),
+            "--limit",
+            "1",
+            "--profile",
+            "rpi5-nvme",
+            "--modes",
+            "io-exp,edgemoe",
+            "--buffer-experts",
+            "6",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(done.status.success(), "{}", stderr(&done));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for key in [
+        "mode",
+        "profile",
+        "budget_bytes",
+        "decode_ms_per_token",
+        "p50_ms",
+        "p90_ms",
+        "sample_ms",
+        "peak_rss_bytes",
+        "bytes_read_per_token",
+        "stall_ms_per_token",
+        "hit_ratio",
+    ] {
+        assert!(rows[0].get(key).is_some(), "no `{key}` in {}", rows[0]);
+    }
+    assert_eq!(rows[1]["outputs_match_reference"], true);
+    assert!(rows[0]["bytes_read_per_token"].as_f64().unwrap() > 0.0);
+    for plot in [
+        "latency.svg",
+        "latency-vs-budget.svg",
+        "sample-cdf.svg",
+        "results.md",
+    ] {
+        assert!(out.join(plot).exists(), "{plot}");
+    }
+
+    let bad = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--profile",
+            "pi-zero",
+        ],
+        Some("hi"),
+    );
+    assert_fails(&bad, &["pi-zero", "rpi4-sd"]);
+    let bad = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--profile",
+            "jetson-tx2-ssd",
+        ],
+        Some("hi"),
+    );
+    assert_fails(&bad, &["cuda", "--device cpu"]);
+    let bad = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--storage",
+            "emulate",
+        ],
+        Some("hi"),
+    );
+    assert_fails(&bad, &["emulate", "profile"]);
+}
