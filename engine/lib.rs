@@ -34,6 +34,7 @@ pub mod modes;
 pub mod paths;
 pub mod plot;
 pub mod prefetch;
+pub mod probe;
 pub mod profile;
 pub mod provider;
 pub mod quant;

@@ -735,3 +735,34 @@ fn bench_smoke_two_modes_with_emulated_storage() {
     );
     assert_fails(&bad, &["emulate", "profile"]);
 }
+
+#[test]
+fn probe_storage_measures_every_size_and_depth() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        &[
+            "probe-storage",
+            dir.path().to_str().unwrap(),
+            "--size",
+            "16MiB",
+            "--seconds",
+            "0.02",
+            "--json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 30);
+    assert!(rows[0]["bytes_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "test file removed"
+    );
+    let missing = run(
+        &["probe-storage", dir.path().join("nope").to_str().unwrap()],
+        None,
+    );
+    assert_fails(&missing, &["nope"]);
+}
