@@ -1105,12 +1105,14 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         for bundle in std::iter::once(&args.model).chain(quantized.as_ref()) {
             bench::drop_cached_pages(&bundle.join(EXPERTS_FILE));
         }
-        let cgroup = if args.no_cgroup {
+        // io-free is the infinite-memory oracle: it is not confined.
+        let confine = !args.no_cgroup && run.mode != Mode::IoFree;
+        let cgroup = if !confine {
             None
         } else {
             Cgroup::create(i, budget + args.cgroup_overhead)
         };
-        if cgroup.is_none() && !args.no_cgroup && cgroup_note.is_none() {
+        if cgroup.is_none() && confine && cgroup_note.is_none() {
             cgroup_note =
                 Some("no writable memory cgroup here: runs are not confined to their budget");
             eprintln!("warning: {}", cgroup_note.unwrap_or_default());
