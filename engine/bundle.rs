@@ -66,8 +66,12 @@ impl Bundle {
     }
 
     pub fn load_model(&self) -> Result<SwitchModel> {
+        self.load_model_on(tch::Device::Cpu)
+    }
+
+    pub fn load_model_on(&self, device: tch::Device) -> Result<SwitchModel> {
         let files = WeightFiles::open_file(&self.path(RESIDENT_FILE))?;
-        SwitchModel::load(&self.config.model, &files)
+        SwitchModel::load_on(&self.config.model, &files, device)
     }
 
     pub fn open_store(&self) -> Result<ExpertStore> {

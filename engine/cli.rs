@@ -321,7 +321,8 @@ struct CacheArgs {
     /// Compute threads (default: the profile's, else libtorch's choice).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
-    /// Where the dense math runs: cpu (CUDA is not implemented in this build).
+    /// Where the dense math runs: cpu, cuda or cuda:N (default: the profile's, else cpu).
+    /// CUDA is untested on hardware: experts are decoded on the host and moved to the GPU.
     #[arg(long, value_name = "DEVICE")]
     device: Option<String>,
 }
@@ -342,6 +343,7 @@ struct RunSettings {
     budget_bytes: u64,
     cache: CacheOptions,
     profile: Option<DeviceProfile>,
+    device: tch::Device,
 }
 
 impl CacheArgs {
@@ -352,7 +354,7 @@ impl CacheArgs {
             .as_deref()
             .map(DeviceProfile::load)
             .transpose()?;
-        let device = self
+        let device_name = self
             .device
             .clone()
             .or_else(|| {
@@ -362,15 +364,11 @@ impl CacheArgs {
                 })
             })
             .unwrap_or_else(|| "cpu".into());
-        if device != "cpu" {
-            anyhow::bail!(
-                "device `{device}`{}: this build runs the dense math on the CPU only; pass --device cpu",
-                profile
-                    .as_ref()
-                    .map(|p| format!(" (from profile {})", p.name))
-                    .unwrap_or_default()
-            );
-        }
+        let device =
+            edgemoe::profile::parse_device(&device_name).with_context(|| match &profile {
+                Some(p) if self.device.is_none() => format!("profile {}", p.name),
+                _ => "--device".to_string(),
+            })?;
         // A profile's thread count is the board's; here it is capped at this machine's cores
         // (more OpenMP threads than cores make libtorch spin and stall).
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -406,6 +404,7 @@ impl CacheArgs {
                 quantized_bundle: self.quantized.clone(),
             },
             profile,
+            device,
         })
     }
 }
@@ -553,6 +552,7 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
             .map(|n| n as usize)
             .unwrap_or(generation.max_source_tokens),
         cache: settings.cache,
+        device: settings.device,
     };
     drop(bundle);
     let mut summarizer = Summarizer::open(&args.model, options)?;
@@ -695,6 +695,7 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
                 prefetch: false,
                 ..CacheOptions::default()
             },
+            device: tch::Device::Cpu,
         },
     )?;
     let calibration = collect_paths(&mut summarizer, &documents, "calibration", true)?;
@@ -814,6 +815,7 @@ fn run_eval(args: EvalArgs) -> Result<()> {
             decode,
             max_source_tokens: generation.max_source_tokens,
             cache: settings.cache,
+            device: settings.device,
         },
     )?;
     for warning in &summarizer.warnings {

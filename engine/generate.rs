@@ -111,7 +111,10 @@ fn greedy(
     for _ in 0..options.max_new_tokens {
         let step = Instant::now();
         let last = *seq.last().expect("starts with the start token");
-        let mut logits = model.decode_step(&[last], &mut state, provider, &mut out.routes)?;
+        // Token selection runs on the host (logits are [1, V]).
+        let mut logits = model
+            .decode_step(&[last], &mut state, provider, &mut out.routes)?
+            .f_to_device(tch::Device::Cpu)?;
         ban(
             &mut logits,
             0,
@@ -182,7 +185,9 @@ fn beam_search(
             .iter()
             .map(|s| *s.last().expect("non-empty"))
             .collect();
-        let logits = model.decode_step(&last, &mut state, provider, &mut out.routes)?; // [b, V]
+        let logits = model
+            .decode_step(&last, &mut state, provider, &mut out.routes)?
+            .f_to_device(tch::Device::Cpu)?; // [b, V]
         let mut log_probs = logits.f_log_softmax(-1, Kind::Float)?;
         for (row, seq) in running.iter().enumerate() {
             ban(

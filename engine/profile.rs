@@ -51,6 +51,31 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// `cpu`, `cuda` or `cuda:N` → a libtorch device, checking that CUDA is there when asked for.
+pub fn parse_device(text: &str) -> Result<tch::Device> {
+    let device = match text {
+        "cpu" => return Ok(tch::Device::Cpu),
+        "cuda" => tch::Device::Cuda(0),
+        other => match other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
+            Some(n) => tch::Device::Cuda(n),
+            None => {
+                return Err(Error::Input(format!(
+                    "unknown device `{other}` (expected cpu, cuda or cuda:N)"
+                )))
+            }
+        },
+    };
+    if !tch::Cuda::is_available() {
+        return Err(Error::Input(format!(
+            "device `{text}`: no CUDA device is available to this libtorch (pass --device cpu)"
+        )));
+    }
+    Ok(device)
+}
+
 /// A validated profile.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceProfile {
@@ -149,6 +174,19 @@ mod tests {
         let pi4 = DeviceProfile::load("rpi4-sd").unwrap();
         assert_eq!(pi4.read_bytes_per_s, 30.0 * 1024.0 * 1024.0);
         assert_eq!(pi4.read_latency, Duration::from_micros(310));
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!(parse_device("cpu").unwrap(), tch::Device::Cpu);
+        assert!(parse_device("tpu").unwrap_err().to_string().contains("tpu"));
+        if !tch::Cuda::is_available() {
+            let e = parse_device("cuda:1").unwrap_err().to_string();
+            assert!(
+                e.contains("no CUDA device") && e.contains("--device cpu"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

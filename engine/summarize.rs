@@ -69,6 +69,8 @@ pub struct RunOptions {
     pub decode: DecodeOptions,
     pub max_source_tokens: usize,
     pub cache: CacheOptions,
+    /// Where the dense math runs (CPU, or CUDA on a Jetson).
+    pub device: tch::Device,
 }
 
 /// How the expert buffer behaves.
@@ -166,7 +168,7 @@ impl Summarizer {
             _ => None,
         };
         let tokenizer = bundle.tokenizer()?;
-        let model = bundle.load_model()?;
+        let model = bundle.load_model_on(options.device)?;
         let working = working_bytes(
             &spec,
             RunShape {

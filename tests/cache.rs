@@ -70,6 +70,7 @@ fn open(bundle: &Path, budget: u64, cache: CacheOptions, beams: Option<usize>) -
             decode,
             max_source_tokens: generation.max_source_tokens,
             cache,
+            device: tch::Device::Cpu,
         },
     )
     .unwrap()

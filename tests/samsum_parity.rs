@@ -63,6 +63,7 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
                 max_source_tokens: generation.max_source_tokens,
                 // The default buffer: edgemoe policy, prefetch thread on.
                 cache: CacheOptions::default(),
+                device: tch::Device::Cpu,
             },
         )
         .unwrap();

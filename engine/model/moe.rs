@@ -6,7 +6,7 @@
 //! sequence gets no FF output (zeros, so the block keeps only the residual); the expert output is
 //! scaled by the router probability of the chosen expert.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::layers::dense_act_dense;
 use crate::config::Stack;
@@ -50,7 +50,7 @@ pub fn moe_ffn(
     let probs = logits.f_softmax(-1, Kind::Float)?;
     let chosen = probs.f_argmax(-1, false)?; // [t]
     let weights = probs.f_amax([-1i64].as_slice(), false)?; // [t], probability of the choice
-    let chosen: Vec<i64> = Vec::<i64>::try_from(&chosen)?;
+    let chosen: Vec<i64> = Vec::<i64>::try_from(&chosen.f_to_device(Device::Cpu)?)?;
     let chosen_experts: Vec<u16> = chosen.iter().map(|&e| e as u16).collect();
     // Before any expert computes: drop stale prefetches, prefetch the next layer's experts.
     provider.routed(stack, layer, &chosen_experts)?;
@@ -83,14 +83,20 @@ pub fn moe_ffn(
         .collect();
     let mut out = tokens.f_zeros_like()?;
     for (i, &expert) in used.iter().enumerate() {
-        let idx = Tensor::f_from_slice(&tokens_of[expert])?;
+        let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
         let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
         let w = provider.expert(expert_id(expert))?;
+        // Experts are decoded on the host; on a GPU they are moved for the matmuls.
+        let (wi, wo) = if w.wi.device() == x.device() {
+            (w.wi, w.wo)
+        } else {
+            (w.wi.f_to_device(x.device())?, w.wo.f_to_device(x.device())?)
+        };
         // The next expert's read overlaps this one's compute.
         if let Some(&next) = used.get(i + 1) {
             provider.will_use(expert_id(next))?;
         }
-        let y = dense_act_dense(&selected, &w.wi, &w.wo)?
+        let y = dense_act_dense(&selected, &wi, &wo)?
             .f_mul(&weights.f_index_select(0, &idx)?.f_unsqueeze(-1)?)?;
         let _ = out.f_index_add_(0, &idx, &y)?;
     }

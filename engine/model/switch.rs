@@ -4,7 +4,7 @@
 //! Shapes: `b` = batch (beams), `n` = tokens in the call, `src` = source tokens, `d` = d_model,
 //! `h` = heads, `dk` = d_kv, `V` = vocabulary.
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use super::layers::{dense_act_dense, Attention, RmsNorm};
 use super::moe::{moe_ffn, LayerRoute, Router};
@@ -166,12 +166,18 @@ pub struct DecoderState {
 }
 
 impl SwitchModel {
-    /// Loads the resident weights (owned f32 copies) from `files`.
+    /// Loads the resident weights (owned f32 copies) from `files`, on the CPU.
     pub fn load(spec: &ModelSpec, files: &WeightFiles) -> Result<Self> {
+        Self::load_on(spec, files, Device::Cpu)
+    }
+
+    /// Loads the resident weights onto `device` (`Device::Cuda(0)` on a Jetson: the dense math
+    /// runs there; experts are decoded on the host and moved when used).
+    pub fn load_on(spec: &ModelSpec, files: &WeightFiles, device: Device) -> Result<Self> {
         let _guard = tch::no_grad_guard();
         let mut resident_bytes = 0u64;
         let mut get = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            let t = files.load_f32(name, shape)?;
+            let t = files.load_f32(name, shape)?.f_to_device(device)?;
             resident_bytes += (t.numel() * 4) as u64;
             Ok(t)
         };
@@ -281,6 +287,11 @@ impl SwitchModel {
         &self.spec
     }
 
+    /// Where the resident weights and the dense math are.
+    pub fn device(&self) -> Device {
+        self.shared.device()
+    }
+
     /// Bytes of the resident (non-expert) weights as held in memory (f32).
     pub fn resident_bytes(&self) -> u64 {
         self.resident_bytes
@@ -293,7 +304,9 @@ impl SwitchModel {
                 "token id {bad} is outside the model's vocabulary of {vocab}"
             )));
         }
-        let ids = Tensor::f_from_slice(ids)?.f_view(shape)?;
+        let ids = Tensor::f_from_slice(ids)?
+            .f_view(shape)?
+            .f_to_device(self.device())?;
         let table = stack.embed_tokens.as_ref().unwrap_or(&self.shared);
         Ok(Tensor::f_embedding(table, &ids, -1, false, false)?)
     }
@@ -441,7 +454,7 @@ impl SwitchModel {
 
     /// Keeps the caches of sequences `beam_idx` (`[b]`, indices into the current batch).
     pub fn reorder(&self, state: &mut DecoderState, beam_idx: &[i64]) -> Result<()> {
-        let idx = Tensor::f_from_slice(beam_idx)?;
+        let idx = Tensor::f_from_slice(beam_idx)?.f_to_device(self.device())?;
         for kv in state.self_kv.iter_mut().flatten() {
             *kv = (kv.0.f_index_select(0, &idx)?, kv.1.f_index_select(0, &idx)?);
         }
