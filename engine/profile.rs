@@ -200,10 +200,10 @@ mod tests {
         };
         check(&good.replace("\"cpu\"", "\"tpu\""), "tpu");
         check(&good.replace("\"1.5GiB\"", "\"lots\""), "memory_budget");
-        check(&good.replace("threads = 4", "threads = 0"), "threads");
+        check(&good.replace("threads = 3", "threads = 0"), "threads");
         check(&good.replace("\"edgemoe\"", "\"random\""), "random");
         check(
-            &good.replace("threads = 4", "threads = 4\ncolour = \"red\""),
+            &good.replace("threads = 3", "threads = 3\ncolour = \"red\""),
             "colour",
         );
         check(
