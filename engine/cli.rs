@@ -594,8 +594,7 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
         eprintln!("{}", stats.summary_line());
     }
     if let Some(path) = &args.stats_json {
-        let json = serde_json::to_string_pretty(&stats)?;
-        std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))?;
+        write_json(path, &stats)?;
     }
     Ok(())
 }
@@ -720,8 +719,7 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
     print!("{}", report.to_text());
     println!("\nwrote {}", out.display());
     if let Some(path) = &args.json {
-        let json = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))?;
+        write_json(path, &report)?;
     }
     Ok(())
 }
@@ -971,8 +969,7 @@ fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
         "examples": examples.len(),
     });
     let report_path = sibling(&args.out, "report.json");
-    std::fs::write(&report_path, serde_json::to_string_pretty(&summary)? + "\n")
-        .map_err(|e| Error::io(&report_path, e))?;
+    write_json(&report_path, &summary)?;
     println!(
         "max loss {:.1}%: every expert at {} except {} at {} → proxy loss {:.2}%, experts {}",
         100.0 * args.max_loss,
@@ -1190,8 +1187,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     }
     progress.finish_and_clear();
     let results = args.out.join("results.json");
-    std::fs::write(&results, serde_json::to_string_pretty(&rows)? + "\n")
-        .map_err(|e| Error::io(&results, e))?;
+    write_json(&results, &rows)?;
     let mut md = format!(
         "{} documents from {}, profile {} ({}), storage {:?}{}\n\n",
         documents.len(),
@@ -1297,5 +1293,12 @@ fn run_probe(args: ProbeArgs) -> Result<()> {
         println!("{:>14.0}", qd1.map_or(0.0, |r| r.latency_us));
     }
     println!("profile hint: storage_read_bandwidth = the 4 MiB row's best; storage_read_latency_us = the 4 KiB QD1 figure");
+    Ok(())
+}
+
+/// Writes `value` as pretty JSON (with a final newline), naming the file in errors.
+fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+    let json = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))?;
     Ok(())
 }
