@@ -37,14 +37,18 @@ echo "== trace of $DOCS held-out dialogues (demand paging: no prefetch), replaye
   > "$out/replay.json"
 
 echo
-echo "== decode latency, prefetch off vs on, O_DIRECT reads"
+echo "== decode latency, prefetch off vs on, storage ${STORAGE:-direct}"
 # Budgets: resident weights + working memory take about 85 MiB; 88 MiB leaves ~6 slots,
 # 95 MiB ~20 slots.
+# STORAGE=emulate PROFILE=rpi4-sd paces the reads to a Pi 4's SD card instead.
+STORAGE="${STORAGE:-direct}"
+PROFILE="${PROFILE:-rpi4-sd}"
 for budget in 88MiB 95MiB; do
   for prefetch in off on; do
     flag=""; [ "$prefetch" = off ] && flag="--no-prefetch"
     "$bin" summarize --model "$bundle" --input "$out/held-out.jsonl" --budget "$budget" \
-      --storage direct $flag -q --stats-json "$out/latency-$budget-$prefetch.json" > /dev/null
+      --profile "$PROFILE" --storage "$STORAGE" $flag -q \
+      --stats-json "$out/latency-$budget-$prefetch.json" > /dev/null
   done
 done
 python3 - "$out" <<'PY'
