@@ -537,7 +537,9 @@ impl ExpertStore {
                 if let Some(first) = store.index.experts.first().cloned() {
                     let mut probe =
                         crate::provider::AlignedBuf::new(first.padded_length() as usize);
-                    if let Err(e) = store.read_expert(first.id, probe.as_mut_slice()) {
+                    // Only an I/O failure says O_DIRECT does not work; a checksum mismatch is a
+                    // corrupted expert, reported when that expert is needed.
+                    if let Err(e @ Error::Io { .. }) = store.read_expert(first.id, probe.as_mut_slice()) {
                         store.direct = None;
                         store.drop_page_cache();
                         return Ok((store, Some(format!(
