@@ -2,18 +2,18 @@
 //! JSON lines with a `dialogue`/`document` field), sizing the expert buffer from the budget, and
 //! running generation.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::budget::{working_bytes, BudgetPlan, RunShape};
 use crate::bundle::Bundle;
-use crate::cache::Policy;
 use crate::error::{Error, Result};
-use crate::expert_store::{ExpertStore, StorageMode};
 use crate::generate::{generate, DecodeOptions, Generation};
 use crate::model::SwitchModel;
-use crate::paths::{PathDictionary, PATHS_FILE};
-use crate::provider::{BufferOptions, ExpertBuffer, ExpertProvider};
+use crate::paths::PathDictionary;
+use crate::provider::{ExpertBuffer, ExpertProvider};
+pub use crate::runtime::CacheOptions;
+use crate::runtime::ExpertRuntime;
 use crate::tokenizer::Tokenizer;
 
 /// Splits user input into documents. Input whose first non-empty line starts with `{` is read as
@@ -69,33 +69,6 @@ pub struct RunOptions {
     pub cache: CacheOptions,
 }
 
-/// How the expert buffer behaves.
-#[derive(Debug, Clone)]
-pub struct CacheOptions {
-    pub policy: Policy,
-    pub prefetch: bool,
-    /// Speculative bytes per forward call; `None` = two experts per decoder MoE layer.
-    pub prefetch_cap_bytes: Option<u64>,
-    /// Slots instead of "as many as the budget allows" (still checked against the budget).
-    pub buffer_experts: Option<usize>,
-    /// Record every expert access into this file.
-    pub trace: Option<PathBuf>,
-    pub storage: StorageMode,
-}
-
-impl Default for CacheOptions {
-    fn default() -> Self {
-        CacheOptions {
-            policy: Policy::Edgemoe,
-            prefetch: true,
-            prefetch_cap_bytes: None,
-            buffer_experts: None,
-            trace: None,
-            storage: StorageMode::Cached,
-        }
-    }
-}
-
 /// A loaded model with its expert buffer, ready to summarize.
 pub struct Summarizer {
     pub model: SwitchModel,
@@ -114,11 +87,6 @@ impl Summarizer {
     pub fn open(bundle_dir: &Path, options: RunOptions) -> Result<Self> {
         let bundle = Bundle::open(bundle_dir)?;
         let spec = bundle.config.model.clone();
-        let (store, warning) = ExpertStore::open_with(
-            &bundle.path(crate::bundle::EXPERTS_FILE),
-            &spec,
-            options.cache.storage,
-        )?;
         let tokenizer = bundle.tokenizer()?;
         let model = bundle.load_model()?;
         let working = working_bytes(
@@ -129,39 +97,18 @@ impl Summarizer {
                 beams: options.decode.num_beams,
             },
         );
-        let slot_bytes = store.max_padded_expert_bytes();
-        let plan = BudgetPlan::new(
+        let ExpertRuntime {
+            buffer,
+            plan,
+            dictionary,
+            warnings,
+        } = ExpertRuntime::open(
+            &bundle,
             options.budget_bytes,
             model.resident_bytes(),
             working,
-            slot_bytes,
-            store.index().experts.len(),
-            options.cache.buffer_experts,
+            &options.cache,
         )?;
-        let paths = bundle.path(PATHS_FILE);
-        let dictionary = if paths.exists() {
-            Some(Arc::new(PathDictionary::load(&paths)?))
-        } else {
-            None
-        };
-        let decoder_moe_layers = spec.moe_blocks(crate::config::Stack::Decoder).len() as u64;
-        let mut buffer = ExpertBuffer::with_options(
-            store,
-            &spec,
-            &BufferOptions {
-                slots: plan.slots,
-                policy: options.cache.policy,
-                prefetch: options.cache.prefetch,
-                prefetch_cap_bytes: options
-                    .cache
-                    .prefetch_cap_bytes
-                    .unwrap_or(2 * decoder_moe_layers.max(1) * slot_bytes),
-            },
-            dictionary.clone(),
-        )?;
-        if let Some(trace) = &options.cache.trace {
-            buffer.record_trace(trace)?;
-        }
         Ok(Summarizer {
             model,
             tokenizer,
@@ -169,7 +116,7 @@ impl Summarizer {
             plan,
             options,
             dictionary,
-            warnings: warning.into_iter().collect(),
+            warnings,
             prefix: bundle.config.generation.input_prefix.clone(),
         })
     }
