@@ -27,8 +27,9 @@ use edgemoe::Error;
 /// Where `./setup.sh` puts the converted demo model; the default `--model`.
 pub const DEFAULT_BUNDLE: &str = "bundles/switch-samsum-tiny";
 
-/// Longest prompt (its last tokens) of a calibration document for a decoder-only model.
-pub const CALIBRATION_PROMPT_TOKENS: usize = 512;
+/// Longest prompt (its last tokens) when `calibrate` and `tune-bits` feed a document to a
+/// decoder-only model.
+pub const DOCUMENT_PROMPT_TOKENS: usize = 512;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -778,7 +779,7 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
             )
         }
         ModelSpec::DecoderOnly(_) => {
-            // Each document is a prompt (its last CALIBRATION_PROMPT_TOKENS tokens), followed by
+            // Each document is a prompt (its last DOCUMENT_PROMPT_TOKENS tokens), followed by
             // the model's greedy continuation.
             let mut generator = TextGenerator::open(
                 &args.model,
@@ -789,7 +790,7 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
                         sampling: Sampling::Greedy,
                         stop_token_ids: generation.stop_token_ids.clone(),
                     },
-                    max_prompt_tokens: CALIBRATION_PROMPT_TOKENS,
+                    max_prompt_tokens: DOCUMENT_PROMPT_TOKENS,
                     cache,
                 },
             )?;
@@ -998,23 +999,44 @@ fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
         ExpertEncoding::Quant(edgemoe::quant::QuantBits::Int2),
     ];
     let experts = edgemoe::resident_experts::ResidentExperts::load(&store, &widths)?;
-    let model = bundle.load_model()?;
     let tokenizer = bundle.tokenizer()?;
     let generation = bundle.config.generation.clone();
-    let mut decode = DecodeOptions::from_defaults(&generation);
-    decode.num_beams = 1;
-    if let Some(n) = args.max_new_tokens {
-        decode.max_new_tokens = n;
-    }
+    let max_new_tokens = args.max_new_tokens.unwrap_or(generation.max_new_tokens);
+    let (switch_model, decoder_model);
+    let model = match &bundle.config.model {
+        ModelSpec::Switch(_) => {
+            switch_model = bundle.load_model()?;
+            let mut decode = DecodeOptions::from_defaults(&generation);
+            decode.num_beams = 1;
+            decode.max_new_tokens = max_new_tokens;
+            edgemoe::tune::TuneModel::Switch {
+                model: &switch_model,
+                decode,
+            }
+        }
+        ModelSpec::DecoderOnly(_) => {
+            decoder_model = bundle.load_decoder_only()?;
+            edgemoe::tune::TuneModel::DecoderOnly {
+                model: &decoder_model,
+                completion: CompletionOptions {
+                    max_new_tokens,
+                    sampling: Sampling::Greedy,
+                    stop_token_ids: generation.stop_token_ids.clone(),
+                },
+            }
+        }
+    };
     let mut tuner = edgemoe::tune::Tuner::new(
-        &model,
+        model,
         experts,
         &tokenizer,
         &examples,
         edgemoe::tune::EvalSettings {
             prefix: generation.input_prefix.clone(),
-            max_source_tokens: generation.max_source_tokens,
-            decode,
+            max_source_tokens: match bundle.config.model {
+                ModelSpec::Switch(_) => generation.max_source_tokens,
+                ModelSpec::DecoderOnly(_) => DOCUMENT_PROMPT_TOKENS,
+            },
         },
         &sibling(&args.out, "measurements.json"),
         true,
