@@ -8,6 +8,12 @@
 //! prefetch on, a [`Prefetcher`] thread reads experts ahead of need into free or evictable slots:
 //! experts the [`PathDictionary`] predicts for the next MoE layer, and the next expert of the
 //! layer being computed. A slot being computed on or being filled is never evicted.
+//!
+//! Top-k routing changes nothing for the slots: an expert is one blob whatever its matrices
+//! (`wi`/`wo` for Switch, `gate`/`up`/`down` for SwiGLU), demanded once per layer per forward
+//! call. The router reports `k` experts per token (`routed`); dictionary predictions then give,
+//! per expert, the probability that it is among a token's k, and a guess counts as right when
+//! the token's experts include it.
 
 use std::alloc::{self, Layout};
 use std::collections::{BTreeMap, HashMap};
