@@ -9,7 +9,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use edgemoe::bundle::Bundle;
 use edgemoe::convert::{convert, ConvertOptions};
 use edgemoe::expert_store::{ExpertStore, StorageMode};
-use edgemoe::model::layers::dense_act_dense;
+use edgemoe::model::moe::expert_forward;
 use edgemoe::provider::{AlignedBuf, ExpertProvider};
 use edgemoe::resident_experts::ResidentExperts;
 use tch::{Kind, Tensor};
@@ -38,13 +38,13 @@ fn kernels(c: &mut Criterion) {
 
     let mut experts = ResidentExperts::load(&store, &[]).unwrap();
     let w = experts.expert(first).unwrap();
-    let x = Tensor::randn([1, spec.d_model as i64], (Kind::Float, tch::Device::Cpu));
+    let x = Tensor::randn([1, spec.d_model() as i64], (Kind::Float, tch::Device::Cpu));
     c.bench_function("expert FFN, 1 token (demo shape)", |b| {
-        b.iter(|| black_box(dense_act_dense(&x, &w.wi, &w.wo).unwrap()))
+        b.iter(|| black_box(expert_forward(&x, &w).unwrap()))
     });
-    let x64 = Tensor::randn([64, spec.d_model as i64], (Kind::Float, tch::Device::Cpu));
+    let x64 = Tensor::randn([64, spec.d_model() as i64], (Kind::Float, tch::Device::Cpu));
     c.bench_function("expert FFN, 64 tokens (demo shape)", |b| {
-        b.iter(|| black_box(dense_act_dense(&x64, &w.wi, &w.wo).unwrap()))
+        b.iter(|| black_box(expert_forward(&x64, &w).unwrap()))
     });
 
     let model = bundle.load_model().unwrap();

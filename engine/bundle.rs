@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use crate::config::BundleConfig;
 use crate::error::{Error, Result};
 use crate::expert_store::ExpertStore;
-use crate::model::SwitchModel;
+use crate::model::{DecoderOnlyModel, SwitchModel};
 use crate::tokenizer::Tokenizer;
 use crate::weights::WeightFiles;
 
@@ -65,13 +65,34 @@ impl Bundle {
         self.dir.join(file)
     }
 
+    /// The encoder-decoder (Switch Transformers) model of the bundle.
     pub fn load_model(&self) -> Result<SwitchModel> {
         self.load_model_on(tch::Device::Cpu)
     }
 
+    /// The Switch model's resident weights on `device`.
     pub fn load_model_on(&self, device: tch::Device) -> Result<SwitchModel> {
+        let spec = self.config.model.as_switch().ok_or_else(|| {
+            self.wrong_kind("a decoder-only model: use `edgemoe generate` with it")
+        })?;
         let files = WeightFiles::open_file(&self.path(RESIDENT_FILE))?;
-        SwitchModel::load_on(&self.config.model, &files, device)
+        SwitchModel::load_on(spec, &files, device)
+    }
+
+    /// The decoder-only (Mixtral, Qwen2-MoE, OLMoE) model of the bundle.
+    pub fn load_decoder_only(&self) -> Result<DecoderOnlyModel> {
+        let spec = self.config.model.as_decoder().ok_or_else(|| {
+            self.wrong_kind("an encoder-decoder model: use `edgemoe summarize` with it")
+        })?;
+        let files = WeightFiles::open_file(&self.path(RESIDENT_FILE))?;
+        DecoderOnlyModel::load(spec, &files)
+    }
+
+    fn wrong_kind(&self, what: &str) -> Error {
+        Error::Unsupported {
+            path: self.path(CONFIG_FILE),
+            message: format!("architecture `{}` is {what}", self.config.architecture),
+        }
     }
 
     pub fn open_store(&self) -> Result<ExpertStore> {

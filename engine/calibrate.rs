@@ -4,6 +4,7 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use crate::causal::TextGenerator;
 use crate::config::Stack;
 use crate::error::Result;
 use crate::generate::Generation;
@@ -11,7 +12,8 @@ use crate::model::LayerRoute;
 use crate::paths::{evaluate, LayerAccuracy, PathDictionary, StackPaths};
 use crate::summarize::Summarizer;
 
-/// Activation paths of one document: per stack, one path (expert per MoE layer) per token.
+/// Activation paths of one document: per stack, one path (the `k` experts of each MoE layer,
+/// layer after layer) per token.
 #[derive(Debug, Clone, Default)]
 pub struct DocumentPaths {
     pub encoder: Vec<Vec<u16>>,
@@ -27,30 +29,39 @@ impl DocumentPaths {
     }
 }
 
-/// Paths of the tokens of a greedy generation (batch of one): the encoder's source tokens and
-/// the decoder's generated tokens.
+/// Paths of the tokens of one sequence (batch of one): every forward call of a stack runs its
+/// `layers` MoE layers in order over the call's tokens — the encoder's source tokens, a
+/// decoder-only prompt's prefill, then one token per decoder step.
 pub fn paths_of(
     routes: &[LayerRoute],
     encoder_layers: usize,
     decoder_layers: usize,
 ) -> DocumentPaths {
-    let (encoder, decoder): (Vec<&LayerRoute>, Vec<&LayerRoute>) =
-        routes.iter().partition(|r| r.stack == Stack::Encoder);
-    let mut out = DocumentPaths::default();
-    if encoder_layers > 0 && encoder.len() == encoder_layers {
-        let tokens = encoder[0].experts.len();
-        out.encoder = (0..tokens)
-            .map(|t| encoder.iter().map(|r| r.experts[t]).collect())
-            .collect();
+    let stack_paths = |stack: Stack, layers: usize| -> Vec<Vec<u16>> {
+        if layers == 0 {
+            return Vec::new();
+        }
+        let calls: Vec<&LayerRoute> = routes.iter().filter(|r| r.stack == stack).collect();
+        let mut out = Vec::new();
+        for call in calls.chunks(layers) {
+            let tokens = call[0].tokens();
+            if call.len() != layers || call.iter().any(|r| r.tokens() != tokens) {
+                continue;
+            }
+            for t in 0..tokens {
+                out.push(
+                    call.iter()
+                        .flat_map(|r| r.token_experts(t).iter().copied())
+                        .collect(),
+                );
+            }
+        }
+        out
+    };
+    DocumentPaths {
+        encoder: stack_paths(Stack::Encoder, encoder_layers),
+        decoder: stack_paths(Stack::Decoder, decoder_layers),
     }
-    if decoder_layers > 0 {
-        out.decoder = decoder
-            .chunks(decoder_layers)
-            .filter(|step| step.len() == decoder_layers && step[0].experts.len() == 1)
-            .map(|step| step.iter().map(|r| r.experts[0]).collect())
-            .collect();
-    }
-    out
 }
 
 /// Summarizes `documents` greedily and returns their paths, with a progress bar.
@@ -60,7 +71,48 @@ pub fn collect_paths(
     label: &str,
     show_progress: bool,
 ) -> Result<Vec<DocumentPaths>> {
-    let spec = summarizer.model.spec().clone();
+    let spec = crate::config::ModelSpec::Switch(summarizer.model.spec().clone());
+    collect_paths_with(
+        &spec,
+        &mut |document| {
+            let ids = summarizer.encode_document(document)?;
+            summarizer.generate_ids(&ids)
+        },
+        documents,
+        label,
+        show_progress,
+    )
+}
+
+/// Runs a decoder-only model over `documents` (each a prompt, followed by the generator's
+/// greedy continuation) and returns their paths, prompt tokens included.
+pub fn collect_decoder_paths(
+    generator: &mut TextGenerator,
+    documents: &[String],
+    label: &str,
+    show_progress: bool,
+) -> Result<Vec<DocumentPaths>> {
+    let spec = crate::config::ModelSpec::DecoderOnly(generator.model.spec().clone());
+    collect_paths_with(
+        &spec,
+        &mut |document| {
+            let ids = generator.encode_prompt(document)?;
+            generator.generate_ids(&ids, &mut |_| Ok(()))
+        },
+        documents,
+        label,
+        show_progress,
+    )
+}
+
+/// Runs `run` over every document and returns their paths, with a progress bar.
+pub fn collect_paths_with(
+    spec: &crate::config::ModelSpec,
+    run: &mut dyn FnMut(&str) -> Result<Generation>,
+    documents: &[String],
+    label: &str,
+    show_progress: bool,
+) -> Result<Vec<DocumentPaths>> {
     let encoder_layers = spec.moe_blocks(Stack::Encoder).len();
     let decoder_layers = spec.moe_blocks(Stack::Decoder).len();
     let progress = if show_progress {
@@ -76,8 +128,7 @@ pub fn collect_paths(
     progress.set_message(label.to_string());
     let mut out = Vec::with_capacity(documents.len());
     for document in documents {
-        let ids = summarizer.encode_document(document)?;
-        let generation: Generation = summarizer.generate_ids(&ids)?;
+        let generation = run(document)?;
         out.push(paths_of(&generation.routes, encoder_layers, decoder_layers));
         progress.inc(1);
     }
@@ -85,14 +136,15 @@ pub fn collect_paths(
     Ok(out)
 }
 
-/// Builds the dictionary from calibration documents' paths.
+/// Builds the dictionary from calibration documents' paths (`top_k` experts per layer).
 pub fn build_dictionary(
     documents: &[DocumentPaths],
     encoder_layers: usize,
     decoder_layers: usize,
     num_experts: usize,
+    top_k: usize,
 ) -> PathDictionary {
-    let mut dict = PathDictionary::new(encoder_layers, decoder_layers, num_experts);
+    let mut dict = PathDictionary::new(encoder_layers, decoder_layers, num_experts, top_k);
     for doc in documents {
         for path in &doc.encoder {
             dict.encoder.add_path(path);
@@ -166,11 +218,17 @@ impl CalibrationReport {
                 100.0 * s.top20_path_coverage,
                 s.held_out_tokens
             );
-            out += "  MoE layer   top-1   top-2   same as previous token   most frequent\n";
+            out +=
+                "  MoE layer   top-1   top-2   recall@k   same as previous token   most frequent\n";
             for l in &s.layers {
                 out += &format!(
-                    "  {:>9}   {:.3}   {:.3}   {:>22.3}   {:>13.3}\n",
-                    l.layer, l.top1, l.top2, l.same_as_previous_token, l.most_frequent
+                    "  {:>9}   {:.3}   {:.3}   {:>8.3}   {:>22.3}   {:>13.3}\n",
+                    l.layer,
+                    l.top1,
+                    l.top2,
+                    l.recall_at_k,
+                    l.same_as_previous_token,
+                    l.most_frequent
                 );
             }
         }

@@ -12,8 +12,9 @@ use edgemoe::bundle::{Bundle, EXPERTS_FILE, RESIDENT_FILE};
 use edgemoe::cache::replay::{replay, ReplayResult};
 use edgemoe::cache::trace::read_trace;
 use edgemoe::cache::Policy;
-use edgemoe::calibrate::{build_dictionary, collect_paths, report};
-use edgemoe::config::Stack;
+use edgemoe::calibrate::{build_dictionary, collect_decoder_paths, collect_paths, report};
+use edgemoe::causal::{CompletionOptions, GenerateOptions, Sampling, TextGenerator, TextStream};
+use edgemoe::config::{ModelSpec, Stack};
 use edgemoe::convert::{convert, ConvertOptions};
 use edgemoe::expert_store::{ExpertEncoding, StorageMode};
 use edgemoe::generate::DecodeOptions;
@@ -28,6 +29,10 @@ use edgemoe::Error;
 /// Where `./setup.sh` puts the converted demo model; the default `--model`.
 pub const DEFAULT_BUNDLE: &str = "bundles/switch-samsum-tiny";
 
+/// Longest prompt (its last tokens) when `calibrate` and `tune-bits` feed a document to a
+/// decoder-only model.
+pub const DOCUMENT_PROMPT_TOKENS: usize = 512;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "edgemoe",
@@ -41,10 +46,14 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Convert a Hugging Face Switch Transformers checkpoint into a model bundle.
+    /// Convert a Hugging Face checkpoint (Switch Transformers, Mixtral, Qwen2-MoE, OLMoE) into a
+    /// model bundle.
     Convert(ConvertArgs),
     /// Summarize a document (or JSON lines of documents) with a bundle on a memory budget.
     Summarize(SummarizeArgs),
+    /// Continue a prompt with a decoder-only bundle (Mixtral, Qwen2-MoE, OLMoE) on a memory
+    /// budget, printing tokens as they are produced (greedy unless --temperature/--top-p).
+    Generate(GenerateArgs),
     /// Show a bundle's shape, resident and expert sizes, and expert bit widths.
     Inspect(InspectArgs),
     /// Build the activation-path dictionary of a bundle from a corpus (writes paths.bin).
@@ -277,6 +286,81 @@ struct SummarizeArgs {
     cache: CacheArgs,
 }
 
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    /// Model bundle directory (a decoder-only model converted by `edgemoe convert`).
+    #[arg(long, value_name = "BUNDLE")]
+    model: PathBuf,
+    /// The prompt text (`-` reads it from standard input).
+    #[arg(
+        long,
+        value_name = "TEXT",
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// The prompt as token ids (comma or space separated) instead of text.
+    #[arg(long, value_name = "IDS", value_parser = parse_ids)]
+    prompt_ids: Option<Ids>,
+    /// Most tokens to generate (default: the model's generation config).
+    #[arg(long, value_name = "N")]
+    max_new_tokens: Option<usize>,
+    /// Sample with this temperature (default: greedy; 1.0 when only --top-p is given).
+    #[arg(long, value_name = "T", value_parser = parse_temperature)]
+    temperature: Option<f64>,
+    /// Sample from the smallest set of tokens whose probability reaches P (default 1.0 when
+    /// sampling).
+    #[arg(long, value_name = "P", value_parser = parse_top_p)]
+    top_p: Option<f64>,
+    /// Seed of the sampler (the same seed, prompt and model give the same tokens).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    seed: u64,
+    /// Write run statistics as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    stats_json: Option<PathBuf>,
+    /// Print the generated token ids instead of the text.
+    #[arg(long)]
+    ids: bool,
+    /// Do not print the statistics line on standard error.
+    #[arg(long, short)]
+    quiet: bool,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+/// Token ids given on the command line.
+#[derive(Debug, Clone)]
+struct Ids(Vec<i64>);
+
+fn parse_ids(text: &str) -> std::result::Result<Ids, String> {
+    let ids = text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<i64>()
+                .map_err(|_| format!("invalid token id `{t}` (expected e.g. 1,15,42)"))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    if ids.is_empty() {
+        return Err("no token ids".into());
+    }
+    Ok(Ids(ids))
+}
+
+fn parse_temperature(text: &str) -> std::result::Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(t) if t > 0.0 && t.is_finite() => Ok(t),
+        _ => Err(format!("temperature `{text}` must be a positive number")),
+    }
+}
+
+fn parse_top_p(text: &str) -> std::result::Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("top-p `{text}` must be in (0, 1]")),
+    }
+}
+
 /// How a run uses memory, storage and the expert buffer (every command that runs the model).
 /// Explicit flags override the profile's values.
 #[derive(Args, Debug)]
@@ -476,6 +560,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Convert(args) => run_convert(args),
         Command::Summarize(args) => run_summarize(args),
+        Command::Generate(args) => run_generate(args),
         Command::Inspect(args) => run_inspect(args),
         Command::Calibrate(args) => run_calibrate(args),
         Command::Replay(args) => run_replay(args),
@@ -599,11 +684,113 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
     Ok(())
 }
 
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let bundle = Bundle::open(&args.model)?;
+    let tokenizer = bundle.tokenizer()?;
+    let generation = bundle.config.generation.clone();
+    let prompt_ids = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(Ids(ids))) => ids.clone(),
+        (Some(prompt), None) => {
+            let (text, _) = if prompt == "-" {
+                read_input("-")?
+            } else {
+                (prompt.clone(), String::new())
+            };
+            tokenizer.encode_all(&text)?
+        }
+        (None, None) => anyhow::bail!("pass --prompt TEXT or --prompt-ids IDS"),
+    };
+    if prompt_ids.is_empty() {
+        anyhow::bail!("empty prompt: it produced no tokens");
+    }
+    let sampling = match (args.temperature, args.top_p) {
+        (None, None) => Sampling::Greedy,
+        (t, p) => Sampling::TopP {
+            temperature: t.unwrap_or(1.0),
+            top_p: p.unwrap_or(1.0),
+            seed: args.seed,
+        },
+    };
+    let completion = CompletionOptions {
+        max_new_tokens: args.max_new_tokens.unwrap_or(generation.max_new_tokens),
+        sampling,
+        stop_token_ids: generation.stop_token_ids.clone(),
+    };
+    let settings = args.cache.resolve()?;
+    if settings.device != tch::Device::Cpu {
+        anyhow::bail!("decoder-only models run on the CPU in this build: pass --device cpu");
+    }
+    let options = GenerateOptions {
+        budget_bytes: settings.budget_bytes,
+        completion,
+        max_prompt_tokens: prompt_ids.len(),
+        cache: settings.cache,
+    };
+    drop(bundle);
+    let mut generator = TextGenerator::open(&args.model, options)?;
+    for warning in &generator.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let stdout = std::io::stdout();
+    let mut stream = TextStream::default();
+    let mut first = true;
+    let ids = args.ids;
+    let generated = {
+        let TextGenerator {
+            model,
+            tokenizer,
+            buffer,
+            options,
+            ..
+        } = &mut generator;
+        edgemoe::causal::complete(
+            model,
+            buffer,
+            &prompt_ids,
+            &options.completion,
+            &mut |token| {
+                let mut out = stdout.lock();
+                let piece = if ids {
+                    let sep = if first { "" } else { " " };
+                    format!("{sep}{token}")
+                } else {
+                    stream.push(tokenizer, token)?
+                };
+                first = false;
+                write!(out, "{piece}")
+                    .and_then(|_| out.flush())
+                    .map_err(|e| Error::io("standard output", e))
+            },
+        )?
+    };
+    {
+        let mut out = stdout.lock();
+        if !ids {
+            write!(out, "{}", stream.finish(&generator.tokenizer)?)?;
+        }
+        writeln!(out)?;
+        out.flush()?;
+    }
+    generator.buffer.finish_trace()?;
+    let stats = RunStats::new(
+        &[(prompt_ids.len(), generated)],
+        generator.buffer.stats(),
+        &generator.plan,
+        &generator.options.cache,
+    );
+    if !args.quiet {
+        eprintln!("{}", stats.summary_line());
+    }
+    if let Some(path) = &args.stats_json {
+        let json = serde_json::to_string_pretty(&stats)?;
+        std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
+}
+
 fn run_inspect(args: InspectArgs) -> Result<()> {
     let bundle = Bundle::open(&args.bundle)?;
     let store = bundle.open_store()?;
-    let spec = &bundle.config.model;
-    let model = bundle.load_model()?;
     let file_size = |name: &str| {
         std::fs::metadata(bundle.path(name))
             .map(|m| m.len())
@@ -614,25 +801,59 @@ fn run_inspect(args: InspectArgs) -> Result<()> {
         "architecture  {} (bundle format {}, source weights {})",
         bundle.config.architecture, bundle.config.format_version, bundle.config.source_dtype
     );
-    println!(
-        "shape         d_model {}, d_ff {}, {} heads × d_kv {}, vocab {}",
-        spec.d_model, spec.d_ff, spec.num_heads, spec.d_kv, spec.vocab_size
-    );
-    for stack in [Stack::Encoder, Stack::Decoder] {
-        let moe = spec.moe_blocks(stack);
-        println!(
-            "{:<13} {} blocks, MoE at blocks {:?} ({} experts each, capacity {})",
-            stack.hf_prefix(),
-            spec.num_layers(stack),
-            moe,
-            spec.num_experts,
-            spec.expert_capacity
-        );
-    }
+    let resident_bytes = match &bundle.config.model {
+        ModelSpec::Switch(spec) => {
+            println!(
+                "shape         d_model {}, d_ff {}, {} heads × d_kv {}, vocab {}",
+                spec.d_model, spec.d_ff, spec.num_heads, spec.d_kv, spec.vocab_size
+            );
+            for stack in [Stack::Encoder, Stack::Decoder] {
+                let moe = spec.moe_blocks(stack);
+                println!(
+                    "{:<13} {} blocks, MoE at blocks {:?} ({} experts each, capacity {})",
+                    stack.hf_prefix(),
+                    spec.num_layers(stack),
+                    moe,
+                    spec.num_experts,
+                    spec.expert_capacity
+                );
+            }
+            bundle.load_model()?.resident_bytes()
+        }
+        ModelSpec::DecoderOnly(spec) => {
+            println!(
+                "shape         hidden {}, {} heads ({} key/value) × head_dim {}, vocab {}, RoPE base {}",
+                spec.hidden_size,
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.vocab_size,
+                spec.rope_theta
+            );
+            println!(
+                "layers        {} layers, MoE at {:?}: {} experts of width {} each, top-{}{}{}",
+                spec.num_layers,
+                spec.moe_layers,
+                spec.num_experts,
+                spec.expert_intermediate_size,
+                spec.top_k,
+                if spec.norm_topk_prob {
+                    " (weights renormalised)"
+                } else {
+                    ""
+                },
+                match spec.shared_expert_intermediate_size {
+                    Some(s) => format!(", shared expert of width {s} (resident)"),
+                    None => String::new(),
+                }
+            );
+            bundle.load_decoder_only()?.resident_bytes()
+        }
+    };
     let experts = &store.index().experts;
     println!(
         "resident      {} in memory (f32), {} on disk ({RESIDENT_FILE})",
-        format_bytes(model.resident_bytes()),
+        format_bytes(resident_bytes),
         format_bytes(file_size(RESIDENT_FILE)),
     );
     println!(
@@ -655,10 +876,16 @@ fn run_inspect(args: InspectArgs) -> Result<()> {
         .collect();
     println!("bit widths    {}", widths.join(", "));
     let g = &bundle.config.generation;
-    println!(
-        "generation    {} beams, max {} new tokens, length penalty {}, no-repeat n-gram {}, prefix {:?}",
-        g.num_beams, g.max_new_tokens, g.length_penalty, g.no_repeat_ngram_size, g.input_prefix
-    );
+    match bundle.config.model {
+        ModelSpec::Switch(_) => println!(
+            "generation    {} beams, max {} new tokens, length penalty {}, no-repeat n-gram {}, prefix {:?}",
+            g.num_beams, g.max_new_tokens, g.length_penalty, g.no_repeat_ngram_size, g.input_prefix
+        ),
+        ModelSpec::DecoderOnly(_) => println!(
+            "generation    greedy (or --temperature/--top-p), max {} new tokens, stops at {:?}",
+            g.max_new_tokens, g.stop_token_ids
+        ),
+    }
     Ok(())
 }
 
@@ -691,27 +918,56 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
     let spec = bundle.config.model.clone();
     let generation = bundle.config.generation.clone();
     // Calibration needs routing only: every expert fits, no prefetch, no dictionary use.
-    let mut summarizer = Summarizer::open(
-        &args.model,
-        RunOptions {
-            budget_bytes: u64::MAX / 4,
-            decode: DecodeOptions::from_defaults(&generation),
-            max_source_tokens: generation.max_source_tokens,
-            cache: CacheOptions {
-                policy: Policy::Lru,
-                prefetch: false,
-                ..CacheOptions::default()
-            },
-            device: tch::Device::Cpu,
-        },
-    )?;
-    let calibration = collect_paths(&mut summarizer, &documents, "calibration", true)?;
-    let held_out = collect_paths(&mut summarizer, &held_out_documents, "held out", true)?;
+    let cache = CacheOptions {
+        policy: Policy::Lru,
+        prefetch: false,
+        ..CacheOptions::default()
+    };
+    let (calibration, held_out) = match &spec {
+        ModelSpec::Switch(_) => {
+            let mut summarizer = Summarizer::open(
+                &args.model,
+                RunOptions {
+                    budget_bytes: u64::MAX / 4,
+                    decode: DecodeOptions::from_defaults(&generation),
+                    max_source_tokens: generation.max_source_tokens,
+                    cache,
+                    device: tch::Device::Cpu,
+                },
+            )?;
+            (
+                collect_paths(&mut summarizer, &documents, "calibration", true)?,
+                collect_paths(&mut summarizer, &held_out_documents, "held out", true)?,
+            )
+        }
+        ModelSpec::DecoderOnly(_) => {
+            // Each document is a prompt (its last DOCUMENT_PROMPT_TOKENS tokens), followed by
+            // the model's greedy continuation.
+            let mut generator = TextGenerator::open(
+                &args.model,
+                GenerateOptions {
+                    budget_bytes: u64::MAX / 4,
+                    completion: CompletionOptions {
+                        max_new_tokens: generation.max_new_tokens,
+                        sampling: Sampling::Greedy,
+                        stop_token_ids: generation.stop_token_ids.clone(),
+                    },
+                    max_prompt_tokens: DOCUMENT_PROMPT_TOKENS,
+                    cache,
+                },
+            )?;
+            (
+                collect_decoder_paths(&mut generator, &documents, "calibration", true)?,
+                collect_decoder_paths(&mut generator, &held_out_documents, "held out", true)?,
+            )
+        }
+    };
     let dict = build_dictionary(
         &calibration,
         spec.moe_blocks(Stack::Encoder).len(),
         spec.moe_blocks(Stack::Decoder).len(),
-        spec.num_experts,
+        spec.num_experts(),
+        spec.top_k(),
     );
     let out = bundle.path(PATHS_FILE);
     dict.save(&out)?;
@@ -906,23 +1162,44 @@ fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
         ExpertEncoding::Quant(edgemoe::quant::QuantBits::Int2),
     ];
     let experts = edgemoe::resident_experts::ResidentExperts::load(&store, &widths)?;
-    let model = bundle.load_model()?;
     let tokenizer = bundle.tokenizer()?;
     let generation = bundle.config.generation.clone();
-    let mut decode = DecodeOptions::from_defaults(&generation);
-    decode.num_beams = 1;
-    if let Some(n) = args.max_new_tokens {
-        decode.max_new_tokens = n;
-    }
+    let max_new_tokens = args.max_new_tokens.unwrap_or(generation.max_new_tokens);
+    let (switch_model, decoder_model);
+    let model = match &bundle.config.model {
+        ModelSpec::Switch(_) => {
+            switch_model = bundle.load_model()?;
+            let mut decode = DecodeOptions::from_defaults(&generation);
+            decode.num_beams = 1;
+            decode.max_new_tokens = max_new_tokens;
+            edgemoe::tune::TuneModel::Switch {
+                model: &switch_model,
+                decode,
+            }
+        }
+        ModelSpec::DecoderOnly(_) => {
+            decoder_model = bundle.load_decoder_only()?;
+            edgemoe::tune::TuneModel::DecoderOnly {
+                model: &decoder_model,
+                completion: CompletionOptions {
+                    max_new_tokens,
+                    sampling: Sampling::Greedy,
+                    stop_token_ids: generation.stop_token_ids.clone(),
+                },
+            }
+        }
+    };
     let mut tuner = edgemoe::tune::Tuner::new(
-        &model,
+        model,
         experts,
         &tokenizer,
         &examples,
         edgemoe::tune::EvalSettings {
             prefix: generation.input_prefix.clone(),
-            max_source_tokens: generation.max_source_tokens,
-            decode,
+            max_source_tokens: match bundle.config.model {
+                ModelSpec::Switch(_) => generation.max_source_tokens,
+                ModelSpec::DecoderOnly(_) => DOCUMENT_PROMPT_TOKENS,
+            },
         },
         &sibling(&args.out, "measurements.json"),
         true,
@@ -932,7 +1209,7 @@ fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
     let fp_rouge2 = tuner.rouge2(None, &tokenizer, &references)?;
     let plan_rouge2 = tuner.rouge2(Some(&plan), &tokenizer, &references)?;
     let spec = &bundle.config.model;
-    let ids = edgemoe::model::switch::all_experts(spec);
+    let ids = spec.all_experts();
     report.expert_bytes = ids
         .iter()
         .filter_map(|&id| plan.encoding(id))

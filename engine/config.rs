@@ -1,12 +1,21 @@
 //! Model facts. Hugging Face's `config.json` / `generation_config.json` are read into raw serde
 //! structs with HF field names, validated once into a [`ModelSpec`] (the engine's own form), and
 //! written into the bundle's `config.json` together with the bundle format version.
+//!
+//! [`ModelSpec`] is one enum over the architectures: [`SwitchSpec`] (encoder-decoder, top-1,
+//! ReLU experts; this file) and [`DecoderSpec`] (decoder-only, top-k, SwiGLU experts; see
+//! `decoder_config`). Everything outside the model files (expert store, buffer, policies,
+//! dictionary, budget) asks the enum only what every MoE model has: its MoE blocks per stack,
+//! experts per block, experts per token and the matrices of one expert. Decoder-only models put
+//! their MoE layers in [`Stack::Decoder`] and have no encoder.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::decoder_config::{DecoderFamily, DecoderSpec, HfDecoderConfig};
 use crate::error::{Error, Result};
+use crate::expert_store::ExpertId;
 
 /// Version of the bundle layout (config, resident weights, expert store). Bumped whenever a
 /// bundle written by an older engine can no longer be read.
@@ -47,8 +56,28 @@ pub struct HfSwitchConfig {
     #[serde(default)]
     pub decoder_start_token_id: Option<i64>,
     #[serde(default)]
-    pub eos_token_id: Option<i64>,
+    pub eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
+    pub pad_token_id: Option<i64>,
+}
+
+impl HfSwitchConfig {
+    pub fn special_tokens(&self) -> HfSpecialTokens {
+        HfSpecialTokens {
+            decoder_start_token_id: self.decoder_start_token_id,
+            bos_token_id: None,
+            eos_token_id: self.eos_token_id.clone(),
+            pad_token_id: self.pad_token_id,
+        }
+    }
+}
+
+/// The special token ids a model's `config.json` may give (fallbacks for the generation config).
+#[derive(Debug, Clone, Default)]
+pub struct HfSpecialTokens {
+    pub decoder_start_token_id: Option<i64>,
+    pub bos_token_id: Option<i64>,
+    pub eos_token_id: Option<serde_json::Value>,
     pub pad_token_id: Option<i64>,
 }
 
@@ -90,9 +119,156 @@ pub struct HfGenerationConfig {
     pub pad_token_id: Option<i64>,
 }
 
+/// The validated shape and semantics of a model, per architecture. Serialized untagged: the
+/// bundle's `architecture` field says which one it is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ModelSpec {
+    Switch(SwitchSpec),
+    DecoderOnly(DecoderSpec),
+}
+
+/// What one expert computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertFfn {
+    /// Switch Transformers: `relu(x·wiᵀ)·woᵀ` (`wi` [d_ff, d], `wo` [d, d_ff]).
+    Relu,
+    /// SwiGLU (Mixtral, Qwen2-MoE, OLMoE): `(silu(x·gateᵀ) ⊙ x·upᵀ)·downᵀ` (`gate`, `up`
+    /// [d_ff, d], `down` [d, d_ff]).
+    SwiGlu,
+}
+
+impl ExpertFfn {
+    /// The matrices of one expert in blob order, with their (rows, cols) for `d_model`/`d_ff`.
+    pub fn matrices(self, d_model: usize, d_ff: usize) -> Vec<(&'static str, usize, usize)> {
+        match self {
+            ExpertFfn::Relu => vec![("wi", d_ff, d_model), ("wo", d_model, d_ff)],
+            ExpertFfn::SwiGlu => vec![
+                ("gate", d_ff, d_model),
+                ("up", d_ff, d_model),
+                ("down", d_model, d_ff),
+            ],
+        }
+    }
+}
+
+impl ModelSpec {
+    /// The bundle's `architecture` (HF `model_type`).
+    pub fn architecture(&self) -> &'static str {
+        match self {
+            ModelSpec::Switch(_) => ARCHITECTURE_SWITCH,
+            ModelSpec::DecoderOnly(d) => d.family.model_type(),
+        }
+    }
+
+    pub fn as_switch(&self) -> Option<&SwitchSpec> {
+        match self {
+            ModelSpec::Switch(s) => Some(s),
+            ModelSpec::DecoderOnly(_) => None,
+        }
+    }
+
+    pub fn as_decoder(&self) -> Option<&DecoderSpec> {
+        match self {
+            ModelSpec::DecoderOnly(d) => Some(d),
+            ModelSpec::Switch(_) => None,
+        }
+    }
+
+    /// Block indices of a stack's MoE layers, in execution order (none in the encoder of a
+    /// decoder-only model).
+    pub fn moe_blocks(&self, stack: Stack) -> Vec<usize> {
+        match (self, stack) {
+            (ModelSpec::Switch(s), _) => s.moe_blocks(stack),
+            (ModelSpec::DecoderOnly(d), Stack::Decoder) => d.moe_layers.clone(),
+            (ModelSpec::DecoderOnly(_), Stack::Encoder) => Vec::new(),
+        }
+    }
+
+    /// Routed experts per MoE block.
+    pub fn num_experts(&self) -> usize {
+        match self {
+            ModelSpec::Switch(s) => s.num_experts,
+            ModelSpec::DecoderOnly(d) => d.num_experts,
+        }
+    }
+
+    /// Experts each token is routed to.
+    pub fn top_k(&self) -> usize {
+        match self {
+            ModelSpec::Switch(_) => 1,
+            ModelSpec::DecoderOnly(d) => d.top_k,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelSpec::Switch(s) => s.vocab_size,
+            ModelSpec::DecoderOnly(d) => d.vocab_size,
+        }
+    }
+
+    pub fn d_model(&self) -> usize {
+        match self {
+            ModelSpec::Switch(s) => s.d_model,
+            ModelSpec::DecoderOnly(d) => d.hidden_size,
+        }
+    }
+
+    /// Intermediate width of one routed expert.
+    pub fn expert_d_ff(&self) -> usize {
+        match self {
+            ModelSpec::Switch(s) => s.d_ff,
+            ModelSpec::DecoderOnly(d) => d.expert_intermediate_size,
+        }
+    }
+
+    pub fn expert_ffn(&self) -> ExpertFfn {
+        match self {
+            ModelSpec::Switch(_) => ExpertFfn::Relu,
+            ModelSpec::DecoderOnly(_) => ExpertFfn::SwiGlu,
+        }
+    }
+
+    /// The matrices of one expert as the engine stores them, in blob order.
+    pub fn expert_matrices(&self) -> Vec<(&'static str, usize, usize)> {
+        self.expert_ffn()
+            .matrices(self.d_model(), self.expert_d_ff())
+    }
+
+    /// Weights in one expert.
+    pub fn expert_params(&self) -> usize {
+        self.expert_matrices().iter().map(|(_, r, c)| r * c).sum()
+    }
+
+    /// Every expert of the model, encoder first, in execution order.
+    pub fn all_experts(&self) -> Vec<ExpertId> {
+        let mut ids = Vec::new();
+        for stack in [Stack::Encoder, Stack::Decoder] {
+            for layer in self.moe_blocks(stack) {
+                for expert in 0..self.num_experts() {
+                    ids.push(ExpertId {
+                        stack,
+                        layer: layer as u16,
+                        expert: expert as u16,
+                    });
+                }
+            }
+        }
+        ids
+    }
+
+    pub fn tie_word_embeddings(&self) -> bool {
+        match self {
+            ModelSpec::Switch(s) => s.tie_word_embeddings,
+            ModelSpec::DecoderOnly(d) => d.tie_word_embeddings,
+        }
+    }
+}
+
 /// The validated shape and semantics of a Switch Transformers model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelSpec {
+pub struct SwitchSpec {
     pub vocab_size: usize,
     pub d_model: usize,
     pub d_kv: usize,
@@ -135,6 +311,10 @@ pub struct GenerationDefaults {
     pub max_source_tokens: usize,
     /// Text put before every document, as the model was trained (`"summarize: "` for T5/Switch).
     pub input_prefix: String,
+    /// Every token that ends a generation (decoder-only checkpoints often list several EOS ids);
+    /// `eos_token_id` is the first.
+    #[serde(default)]
+    pub stop_token_ids: Vec<i64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,7 +337,7 @@ pub struct BundleConfig {
 
 pub const ARCHITECTURE_SWITCH: &str = "switch_transformers";
 
-impl ModelSpec {
+impl SwitchSpec {
     /// Validates a Hugging Face config; `path` names the file in errors.
     pub fn from_hf(hf: &HfSwitchConfig, path: &Path) -> Result<Self> {
         let unsupported = |message: String| Error::Unsupported {
@@ -221,7 +401,7 @@ impl ModelSpec {
                 "`relative_attention_num_buckets` must be at least 4",
             ));
         }
-        Ok(ModelSpec {
+        Ok(SwitchSpec {
             vocab_size: hf.vocab_size,
             d_model: hf.d_model,
             d_kv: hf.d_kv,
@@ -267,11 +447,6 @@ impl ModelSpec {
             .collect()
     }
 
-    /// Weights in one expert (`wi` and `wo`).
-    pub fn expert_params(&self) -> usize {
-        2 * self.d_model * self.d_ff
-    }
-
     /// Width of the attention projections (`num_heads × d_kv`).
     pub fn inner_dim(&self) -> usize {
         self.num_heads * self.d_kv
@@ -286,23 +461,37 @@ impl ModelSpec {
 }
 
 impl GenerationDefaults {
+    /// Defaults from the generation config, falling back on the model config's `model` ids.
+    /// Encoder-decoder specifics (`input_prefix`, `max_source_tokens`) get Switch's values; see
+    /// [`GenerationDefaults::for_decoder_only`].
     pub fn from_hf(
-        model: &HfSwitchConfig,
+        model: &HfSpecialTokens,
         generation: &HfGenerationConfig,
         path: &Path,
     ) -> Result<Self> {
-        let eos = match &generation.eos_token_id {
-            None => model.eos_token_id,
-            Some(serde_json::Value::Number(n)) => n.as_i64(),
-            // A list of stop tokens: the engine stops at the first (T5 checkpoints have one).
-            Some(serde_json::Value::Array(items)) => items.first().and_then(|v| v.as_i64()),
-            Some(other) => {
-                return Err(Error::format(
+        let ids = |value: &serde_json::Value| -> Result<Vec<i64>> {
+            let bad = || {
+                Error::format(
                     path,
-                    format!("`eos_token_id` must be a number, got {other}"),
-                ))
+                    format!("`eos_token_id` must be a number or a list of numbers, got {value}"),
+                )
+            };
+            match value {
+                serde_json::Value::Number(n) => Ok(vec![n.as_i64().ok_or_else(bad)?]),
+                serde_json::Value::Array(items) => {
+                    items.iter().map(|v| v.as_i64().ok_or_else(bad)).collect()
+                }
+                serde_json::Value::Null => Ok(Vec::new()),
+                _ => Err(bad()),
             }
         };
+        // A list of stop tokens: every one ends a generation; the first is "the" EOS.
+        let stop_token_ids = match (&generation.eos_token_id, &model.eos_token_id) {
+            (Some(v), _) if !v.is_null() => ids(v)?,
+            (_, Some(v)) => ids(v)?,
+            _ => Vec::new(),
+        };
+        let eos = stop_token_ids.first().copied();
         let early_stopping = match &generation.early_stopping {
             None | Some(serde_json::Value::Bool(false)) => EarlyStopping::False,
             Some(serde_json::Value::Bool(true)) => EarlyStopping::True,
@@ -329,7 +518,26 @@ impl GenerationDefaults {
             no_repeat_ngram_size: generation.no_repeat_ngram_size.unwrap_or(0),
             max_source_tokens: 512,
             input_prefix: "summarize: ".into(),
+            stop_token_ids,
         })
+    }
+
+    /// Adjusts Switch-shaped defaults to a decoder-only model: no input prefix, prompts up to
+    /// the context length, the BOS as "start" token, and no EOS at all when neither config
+    /// names one (generation then runs to `max_new_tokens`).
+    pub fn for_decoder_only(mut self, model: &HfSpecialTokens, max_positions: usize) -> Self {
+        self.input_prefix = String::new();
+        self.max_source_tokens = max_positions;
+        self.decoder_start_token_id = model.bos_token_id.unwrap_or(0);
+        if self.stop_token_ids.is_empty() {
+            self.eos_token_id = -1;
+        }
+        self
+    }
+
+    /// Whether `token` ends a generation.
+    pub fn is_stop(&self, token: i64) -> bool {
+        token == self.eos_token_id || self.stop_token_ids.contains(&token)
     }
 }
 
@@ -383,14 +591,45 @@ impl BundleConfig {
                 ))
             }
         }
-        let config: BundleConfig = serde_json::from_value(value)
-            .map_err(|e| Error::format(path, format!("invalid bundle config: {e}")))?;
-        if config.architecture != ARCHITECTURE_SWITCH {
+        // Everything but `model`, whose form depends on `architecture`.
+        #[derive(Deserialize)]
+        struct Header {
+            format_version: u32,
+            architecture: String,
+            generation: GenerationDefaults,
+            source_dtype: String,
+        }
+        let invalid =
+            |e: serde_json::Error| Error::format(path, format!("invalid bundle config: {e}"));
+        let model = value.get("model").cloned().unwrap_or_default();
+        let header: Header = serde_json::from_value(value).map_err(invalid)?;
+        let model = if header.architecture == ARCHITECTURE_SWITCH {
+            ModelSpec::Switch(serde_json::from_value(model).map_err(invalid)?)
+        } else if DecoderFamily::from_model_type(&header.architecture).is_some() {
+            let spec: DecoderSpec = serde_json::from_value(model).map_err(invalid)?;
+            if spec.family.model_type() != header.architecture {
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "architecture `{}` but the model is `{}`",
+                        header.architecture,
+                        spec.family.model_type()
+                    ),
+                ));
+            }
+            ModelSpec::DecoderOnly(spec)
+        } else {
             return Err(Error::Unsupported {
                 path: path.to_path_buf(),
-                message: format!("architecture `{}`", config.architecture),
+                message: format!("architecture `{}`", header.architecture),
             });
-        }
-        Ok(config)
+        };
+        Ok(BundleConfig {
+            format_version: header.format_version,
+            architecture: header.architecture,
+            model,
+            generation: header.generation,
+            source_dtype: header.source_dtype,
+        })
     }
 }

@@ -15,9 +15,11 @@
 //!            blobs: one per expert, each starting on a 4096-byte boundary and padded to one
 //! ```
 //!
-//! A blob holds the expert's matrices back to back (`wi` [d_ff, d_model], then `wo`
-//! [d_model, d_ff], row-major, each starting on a 64-byte boundary inside the blob) in the
-//! expert's stored encoding: f32/f16/bf16 as is, or INT8/INT4/INT2 packed as `quant` documents
+//! A blob holds the expert's matrices back to back, row-major, each starting on a 64-byte
+//! boundary inside the blob — Switch's ReLU experts `wi` [d_ff, d_model] then `wo`
+//! [d_model, d_ff]; SwiGLU experts (decoder-only families) `gate` and `up` [d_ff, d_model] then
+//! `down` [d_model, d_ff], so one read brings all three — in the expert's stored encoding:
+//! f32/f16/bf16 as is, or INT8/INT4/INT2 packed as `quant` documents
 //! (each row on a byte boundary) followed, on the next 64-byte boundary, by the matrix's
 //! per-row scales as little-endian f32. Each index entry records the blob's offset, its length, its
 //! encoding, its matrices and the CRC-32 of its `length` bytes, which is verified on every read.
@@ -177,11 +179,8 @@ pub fn align_up(value: u64, align: u64) -> u64 {
 }
 
 /// The matrices of one expert as the engine stores them, in blob order.
-pub fn expert_matrix_shapes(spec: &ModelSpec) -> [(&'static str, usize, usize); 2] {
-    [
-        ("wi", spec.d_ff, spec.d_model),
-        ("wo", spec.d_model, spec.d_ff),
-    ]
+pub fn expert_matrix_shapes(spec: &ModelSpec) -> Vec<(&'static str, usize, usize)> {
+    spec.expert_matrices()
 }
 
 /// Lays out one expert's blob: matrix entries with offsets, and the meaningful length.
@@ -479,7 +478,7 @@ impl ExpertStore {
         }
         for stack in [Stack::Encoder, Stack::Decoder] {
             for layer in spec.moe_blocks(stack) {
-                for expert in 0..spec.num_experts {
+                for expert in 0..spec.num_experts() {
                     let id = ExpertId {
                         stack,
                         layer: layer as u16,
@@ -495,8 +494,8 @@ impl ExpertStore {
             }
         }
         if lookup.len()
-            != spec.moe_blocks(Stack::Encoder).len() * spec.num_experts
-                + spec.moe_blocks(Stack::Decoder).len() * spec.num_experts
+            != spec.moe_blocks(Stack::Encoder).len() * spec.num_experts()
+                + spec.moe_blocks(Stack::Decoder).len() * spec.num_experts()
         {
             return Err(Error::format(
                 path,
@@ -539,7 +538,9 @@ impl ExpertStore {
                         crate::provider::AlignedBuf::new(first.padded_length() as usize);
                     // Only an I/O failure says O_DIRECT does not work; a checksum mismatch is a
                     // corrupted expert, reported when that expert is needed.
-                    if let Err(e @ Error::Io { .. }) = store.read_expert(first.id, probe.as_mut_slice()) {
+                    if let Err(e @ Error::Io { .. }) =
+                        store.read_expert(first.id, probe.as_mut_slice())
+                    {
                         store.direct = None;
                         store.drop_page_cache();
                         return Ok((store, Some(format!(

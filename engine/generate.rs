@@ -45,6 +45,7 @@ impl DecodeOptions {
 pub struct Generation {
     /// Generated ids, without the decoder start token; ends with EOS if the model emitted it.
     pub tokens: Vec<i64>,
+    /// The encoder pass (Switch) or the prompt's prefill (decoder-only).
     pub encode_ms: f64,
     /// Wall time of each decoder step (one step = one new token for every beam).
     pub step_ms: Vec<f64>,

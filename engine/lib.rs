@@ -7,14 +7,18 @@
 //!
 //! Module map (mirrors `ARCHITECTURE.md`):
 //! - [`config`]: Hugging Face config → validated [`config::ModelSpec`]; generation defaults.
+//! - [`decoder_config`]: the decoder-only MoE families (Mixtral, Qwen2-MoE, OLMoE).
 //! - [`budget`]: memory budget parsing and accounting.
 //! - [`weights`]: the one memory-mapping site; safetensors checkpoints and resident weights.
 //! - [`expert_store`]: the on-disk expert store format (header, index, page-aligned blobs).
 //! - [`convert`]: Hugging Face checkpoint → model bundle.
 //! - [`bundle`]: opening a model bundle.
 //! - [`provider`]: the expert provider interface and the fixed LRU expert buffer behind it.
-//! - [`model`]: Switch Transformers forward pass over shared blocks.
-//! - [`generate`]: greedy decoding and beam search.
+//! - [`model`]: Switch Transformers and decoder-only (Mixtral, Qwen2-MoE, OLMoE) forward passes
+//!   over shared blocks and one MoE feed-forward.
+//! - [`generate`]: greedy decoding and beam search (encoder-decoder).
+//! - [`causal`]: prompt prefill and streamed greedy or top-p generation (decoder-only).
+//! - [`runtime`]: the expert store, budget split and expert buffer every run sets up.
 //! - [`tokenizer`], [`summarize`], [`stats`]: the user-facing run.
 
 pub mod bench;
@@ -23,8 +27,10 @@ pub mod budget;
 pub mod bundle;
 pub mod cache;
 pub mod calibrate;
+pub mod causal;
 pub mod config;
 pub mod convert;
+pub mod decoder_config;
 pub mod error;
 pub mod eval;
 pub mod expert_store;
@@ -40,6 +46,7 @@ pub mod provider;
 pub mod quant;
 pub mod resident_experts;
 pub mod rouge;
+pub mod runtime;
 pub mod stats;
 pub mod summarize;
 pub mod tokenizer;

@@ -23,14 +23,15 @@ use std::time::Instant;
 
 use memmap2::Mmap;
 use serde::Serialize;
-use tch::{Device, Kind, Tensor};
+use tch::Tensor;
 
 use crate::cache::Policy;
 use crate::config::{ModelSpec, Stack};
 use crate::error::{Error, Result};
 use crate::expert_store::{ExpertId, ExpertStore, ReadPacer};
 use crate::provider::{
-    decode_expert, AlignedBuf, ExpertBuffer, ExpertProvider, ExpertStats, ExpertWeights,
+    decode_expert, expert_scratch, AlignedBuf, ExpertBuffer, ExpertProvider, ExpertStats,
+    ExpertWeights,
 };
 use crate::resident_experts::ResidentExperts;
 
@@ -109,28 +110,28 @@ impl FromStr for Mode {
 pub struct DemandLoader {
     store: ExpertStore,
     slot: AlignedBuf,
-    scratch_wi: Tensor,
-    scratch_wo: Tensor,
+    scratch: Vec<Tensor>,
     stats: ExpertStats,
 }
 
-fn scratch(spec: &ModelSpec) -> (Tensor, Tensor) {
-    let (d_ff, d_model) = (spec.d_ff as i64, spec.d_model as i64);
-    (
-        Tensor::zeros([d_ff, d_model], (Kind::Float, Device::Cpu)),
-        Tensor::zeros([d_model, d_ff], (Kind::Float, Device::Cpu)),
-    )
+/// Decodes `bytes` of `entry` into `scratch` and hands out views of it.
+fn decoded(
+    entry: &crate::expert_store::ExpertEntry,
+    bytes: &[u8],
+    scratch: &mut [Tensor],
+) -> Result<ExpertWeights> {
+    decode_expert(entry, bytes, scratch)?;
+    let names: Vec<&str> = entry.matrices.iter().map(|m| m.name.as_str()).collect();
+    ExpertWeights::from_matrices(entry.id, &names, scratch)
 }
 
 impl DemandLoader {
     pub fn new(store: ExpertStore, spec: &ModelSpec) -> Self {
         let slot = AlignedBuf::new(store.max_padded_expert_bytes() as usize);
-        let (scratch_wi, scratch_wo) = scratch(spec);
         DemandLoader {
             store,
             slot,
-            scratch_wi,
-            scratch_wo,
+            scratch: expert_scratch(spec),
             stats: ExpertStats::default(),
         }
     }
@@ -147,16 +148,7 @@ impl ExpertProvider for DemandLoader {
         self.stats.read_ms += ms;
         self.stats.stall_ms += ms;
         let entry = self.store.entry(id).expect("read succeeded");
-        decode_expert(
-            entry,
-            self.slot.as_slice(),
-            &mut self.scratch_wi,
-            &mut self.scratch_wo,
-        )?;
-        Ok(ExpertWeights {
-            wi: self.scratch_wi.shallow_clone(),
-            wo: self.scratch_wo.shallow_clone(),
-        })
+        decoded(entry, self.slot.as_slice(), &mut self.scratch)
     }
 
     fn stats(&self) -> &ExpertStats {
@@ -169,8 +161,7 @@ pub struct MappedExperts {
     store: ExpertStore,
     map: Mmap,
     pacer: Option<ReadPacer>,
-    scratch_wi: Tensor,
-    scratch_wo: Tensor,
+    scratch: Vec<Tensor>,
     stats: ExpertStats,
 }
 
@@ -183,13 +174,11 @@ impl MappedExperts {
         // SAFETY: read-only map of the expert store, which is not modified while the engine
         // runs (the same contract as the weights loader).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        let (scratch_wi, scratch_wo) = scratch(spec);
         Ok(MappedExperts {
             store,
             map,
             pacer,
-            scratch_wi,
-            scratch_wo,
+            scratch: expert_scratch(spec),
             stats: ExpertStats::default(),
         })
     }
@@ -251,11 +240,7 @@ impl ExpertProvider for MappedExperts {
             self.stats.stall_ms += ms;
             self.stats.read_ms += ms;
         }
-        decode_expert(&entry, bytes, &mut self.scratch_wi, &mut self.scratch_wo)?;
-        Ok(ExpertWeights {
-            wi: self.scratch_wi.shallow_clone(),
-            wo: self.scratch_wo.shallow_clone(),
-        })
+        decoded(&entry, bytes, &mut self.scratch)
     }
 
     fn stats(&self) -> &ExpertStats {
@@ -322,8 +307,8 @@ impl ExpertProvider for ExpertSource {
         self.inner().begin_step(stack)
     }
 
-    fn routed(&mut self, stack: Stack, block: usize, experts: &[u16]) -> Result<()> {
-        self.inner().routed(stack, block, experts)
+    fn routed(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
+        self.inner().routed(stack, block, k, experts)
     }
 
     fn will_use(&mut self, id: ExpertId) -> Result<()> {

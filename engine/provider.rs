@@ -8,6 +8,12 @@
 //! prefetch on, a [`Prefetcher`] thread reads experts ahead of need into free or evictable slots:
 //! experts the [`PathDictionary`] predicts for the next MoE layer, and the next expert of the
 //! layer being computed. A slot being computed on or being filled is never evicted.
+//!
+//! Top-k routing changes nothing for the slots: an expert is one blob whatever its matrices
+//! (`wi`/`wo` for Switch, `gate`/`up`/`down` for SwiGLU), demanded once per layer per forward
+//! call. The router reports `k` experts per token (`routed`); dictionary predictions then give,
+//! per expert, the probability that it is among a token's k, and a guess counts as right when
+//! the token's experts include it.
 
 use std::alloc::{self, Layout};
 use std::collections::{BTreeMap, HashMap};
@@ -30,11 +36,63 @@ use crate::prefetch::{self, Completion, Prefetcher, Request};
 
 /// One expert's weights, ready for the math (f32). They share memory with the provider's
 /// scratch: use them before asking the provider for the next expert.
-pub struct ExpertWeights {
-    /// `[d_ff, d_model]`
-    pub wi: Tensor,
-    /// `[d_model, d_ff]`
-    pub wo: Tensor,
+pub enum ExpertWeights {
+    /// Switch Transformers: `wi` `[d_ff, d_model]`, `wo` `[d_model, d_ff]`.
+    Relu { wi: Tensor, wo: Tensor },
+    /// Decoder-only families: `gate`, `up` `[d_ff, d_model]`, `down` `[d_model, d_ff]`.
+    SwiGlu {
+        gate: Tensor,
+        up: Tensor,
+        down: Tensor,
+    },
+}
+
+impl ExpertWeights {
+    /// Views of `matrices` (shallow clones), named as the store names them, in blob order.
+    pub fn from_matrices(id: ExpertId, names: &[&str], matrices: &[Tensor]) -> Result<Self> {
+        let m = |i: usize| matrices[i].shallow_clone();
+        match names {
+            ["wi", "wo"] if matrices.len() == 2 => Ok(ExpertWeights::Relu { wi: m(0), wo: m(1) }),
+            ["gate", "up", "down"] if matrices.len() == 3 => Ok(ExpertWeights::SwiGlu {
+                gate: m(0),
+                up: m(1),
+                down: m(2),
+            }),
+            other => Err(Error::Input(format!(
+                "{id}: unknown expert matrices {other:?}"
+            ))),
+        }
+    }
+
+    /// The same weights on `device` (no copy when they are there already).
+    pub fn to_device(self, device: tch::Device) -> Result<Self> {
+        let moved = |t: Tensor| -> Result<Tensor> {
+            if t.device() == device {
+                Ok(t)
+            } else {
+                Ok(t.f_to_device(device)?)
+            }
+        };
+        Ok(match self {
+            ExpertWeights::Relu { wi, wo } => ExpertWeights::Relu {
+                wi: moved(wi)?,
+                wo: moved(wo)?,
+            },
+            ExpertWeights::SwiGlu { gate, up, down } => ExpertWeights::SwiGlu {
+                gate: moved(gate)?,
+                up: moved(up)?,
+                down: moved(down)?,
+            },
+        })
+    }
+
+    /// The matrices in blob order.
+    pub fn matrices(&self) -> Vec<&Tensor> {
+        match self {
+            ExpertWeights::Relu { wi, wo } => vec![wi, wo],
+            ExpertWeights::SwiGlu { gate, up, down } => vec![gate, up, down],
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -141,9 +199,10 @@ pub trait ExpertProvider {
     /// sequence).
     fn begin_step(&mut self, _stack: Stack) {}
 
-    /// The router of block `block` of `stack` chose `experts` (one per token, row-major): stale
-    /// prefetches for this layer can go, and the next layer's experts can be prefetched.
-    fn routed(&mut self, _stack: Stack, _block: usize, _experts: &[u16]) -> Result<()> {
+    /// The router of block `block` of `stack` chose `experts`: `k` per token (highest weight
+    /// first), tokens row-major, so `experts.len()` = tokens × `k`. Stale prefetches for this
+    /// layer can go, and the next layer's experts can be prefetched.
+    fn routed(&mut self, _stack: Stack, _block: usize, _k: usize, _experts: &[u16]) -> Result<()> {
         Ok(())
     }
 
@@ -194,23 +253,31 @@ impl Drop for AlignedBuf {
     }
 }
 
-/// Decodes one stored expert (slot bytes) into f32 scratch tensors `wi` and `wo`, without
-/// allocating.
-pub fn decode_expert(
-    entry: &ExpertEntry,
-    bytes: &[u8],
-    wi: &mut Tensor,
-    wo: &mut Tensor,
-) -> Result<()> {
-    for (name, out) in [("wi", wi), ("wo", wo)] {
-        let m = entry
-            .matrix(name)
-            .ok_or_else(|| Error::Input(format!("{}: no `{name}` matrix", entry.id)))?;
+/// Decodes one stored expert (slot bytes) into f32 scratch tensors, one per matrix of the
+/// entry in blob order (`wi`, `wo` or `gate`, `up`, `down`), without allocating.
+pub fn decode_expert(entry: &ExpertEntry, bytes: &[u8], out: &mut [Tensor]) -> Result<()> {
+    if out.len() != entry.matrices.len() {
+        return Err(Error::Input(format!(
+            "{}: {} matrices stored, {} scratch tensors",
+            entry.id,
+            entry.matrices.len(),
+            out.len()
+        )));
+    }
+    for (m, out) in entry.matrices.iter().zip(out.iter_mut()) {
+        let name = &m.name;
         let start = m.offset as usize;
         let end = start + m.bytes as usize;
         let stored = bytes
             .get(start..end)
             .ok_or_else(|| Error::Input(format!("{}: `{name}` outside its blob", entry.id)))?;
+        let (rows, cols) = (m.rows as usize, m.cols as usize);
+        if out.numel() != rows * cols || out.kind() != Kind::Float || !out.is_contiguous() {
+            return Err(Error::Input(format!(
+                "{}: scratch shape mismatch for `{name}`",
+                entry.id
+            )));
+        }
         match entry.encoding {
             ExpertEncoding::Quant(bits) => {
                 let scales = bytes
@@ -223,13 +290,6 @@ pub fn decode_expert(
                 let (head, scales, tail) = unsafe { scales.align_to::<f32>() };
                 if !head.is_empty() || !tail.is_empty() {
                     return Err(Error::Input(format!("{}: misaligned scales", entry.id)));
-                }
-                let (rows, cols) = (m.rows as usize, m.cols as usize);
-                if out.numel() != rows * cols || out.kind() != Kind::Float || !out.is_contiguous() {
-                    return Err(Error::Input(format!(
-                        "{}: scratch shape mismatch",
-                        entry.id
-                    )));
                 }
                 // SAFETY: `out` is a contiguous f32 CPU tensor of rows × cols elements that
                 // nothing else reads while this slice lives.
@@ -258,6 +318,16 @@ pub fn decode_expert(
     Ok(())
 }
 
+/// Zeroed f32 scratch for one expert of `spec`, one tensor per matrix in blob order.
+pub fn expert_scratch(spec: &ModelSpec) -> Vec<Tensor> {
+    spec.expert_matrices()
+        .iter()
+        .map(|&(_, rows, cols)| {
+            Tensor::zeros([rows as i64, cols as i64], (Kind::Float, Device::Cpu))
+        })
+        .collect()
+}
+
 /// Knobs of an [`ExpertBuffer`].
 #[derive(Debug, Clone)]
 pub struct BufferOptions {
@@ -269,8 +339,8 @@ pub struct BufferOptions {
     pub prefetch_cap_bytes: u64,
 }
 
-/// Least probability (or, over several tokens, share of the tokens' probability mass) for the
-/// dictionary's prediction to be prefetched.
+/// Least probability that an expert is among a token's experts (or, over several tokens, the
+/// mean of it) for the dictionary's prediction to be prefetched.
 pub const PREFETCH_MIN_PROBABILITY: f64 = 0.1;
 
 struct InFlight {
@@ -291,16 +361,19 @@ pub struct ExpertBuffer {
     dictionary: Option<Arc<PathDictionary>>,
     /// The expert whose weights were handed out last (still being computed on).
     in_use: Option<ExpertId>,
-    scratch_wi: Tensor,
-    scratch_wo: Tensor,
+    /// Decoded weights of the expert in use, one tensor per matrix.
+    scratch: Vec<Tensor>,
     stats: ExpertStats,
     trace: Option<TraceWriter>,
     /// Forward calls so far (trace `token`).
     step: u64,
     /// Decoder MoE layer executing.
     current: Option<usize>,
-    /// Experts chosen at the MoE layers already run in this forward call, per token.
+    /// Experts chosen at the MoE layers already run in this forward call: per layer, `k` per
+    /// token (as `routed` got them).
     history: Vec<Vec<u16>>,
+    /// Experts per token of the layers in `history`.
+    history_k: usize,
     history_stack: Option<Stack>,
     speculative_bytes: u64,
     /// The dictionary's top-1 guess per token for the layer routed next: (stack, block, guesses).
@@ -344,7 +417,7 @@ impl ExpertBuffer {
             .map(|_| Some(AlignedBuf::new(slot_bytes)))
             .collect();
         let layers = LayerMap::new(spec);
-        let seeds = seeds(&layers, spec.num_experts, dictionary.as_deref());
+        let seeds = seeds(&layers, spec.num_experts(), dictionary.as_deref());
         let table = SlotTable::new(
             slots,
             PolicyState::new(options.policy, layers.clone(), &seeds),
@@ -357,7 +430,6 @@ impl ExpertBuffer {
         } else {
             None
         };
-        let (d_ff, d_model) = (spec.d_ff as i64, spec.d_model as i64);
         Ok(ExpertBuffer {
             store,
             layers,
@@ -368,13 +440,13 @@ impl ExpertBuffer {
             prefetch_cap_bytes: options.prefetch_cap_bytes,
             dictionary,
             in_use: None,
-            scratch_wi: Tensor::zeros([d_ff, d_model], (Kind::Float, Device::Cpu)),
-            scratch_wo: Tensor::zeros([d_model, d_ff], (Kind::Float, Device::Cpu)),
+            scratch: expert_scratch(spec),
             stats: ExpertStats::default(),
             trace: None,
             step: 0,
             current: None,
             history: Vec::new(),
+            history_k: 1,
             history_stack: None,
             speculative_bytes: 0,
             guesses: None,
@@ -682,17 +754,10 @@ impl ExpertProvider for ExpertBuffer {
         let memory = self.memory[slot]
             .as_ref()
             .expect("a demanded slot is not being filled");
-        decode_expert(
-            entry,
-            memory.as_slice(),
-            &mut self.scratch_wi,
-            &mut self.scratch_wo,
-        )?;
+        decode_expert(entry, memory.as_slice(), &mut self.scratch)?;
         self.in_use = Some(id);
-        Ok(ExpertWeights {
-            wi: self.scratch_wi.shallow_clone(),
-            wo: self.scratch_wo.shallow_clone(),
-        })
+        let names: Vec<&str> = entry.matrices.iter().map(|m| m.name.as_str()).collect();
+        ExpertWeights::from_matrices(id, &names, &self.scratch)
     }
 
     fn begin_step(&mut self, stack: Stack) {
@@ -705,8 +770,10 @@ impl ExpertProvider for ExpertBuffer {
         self.history_stack = Some(stack);
     }
 
-    fn routed(&mut self, stack: Stack, block: usize, experts: &[u16]) -> Result<()> {
+    fn routed(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
         self.in_use = None;
+        let k = k.max(1);
+        let tokens = experts.len() / k;
         // Speculative reads for this layer that the router did not choose are dropped.
         for (id, flight) in &self.in_flight {
             if flight.speculative
@@ -717,22 +784,27 @@ impl ExpertProvider for ExpertBuffer {
                 flight.cancel.store(true, Ordering::Release);
             }
         }
-        // How the dictionary's guesses for this layer did.
+        // How the dictionary's guesses for this layer did: a guess is right when the token's
+        // experts include it.
         if let Some((s, b, guesses)) = self.guesses.take() {
-            if s == stack && b == block && guesses.len() == experts.len() {
+            if s == stack && b == block && guesses.len() == tokens {
                 let dict = &mut self.stats.dictionary;
                 dict.predictions += guesses.len() as u64;
-                dict.top1_correct +=
-                    guesses.iter().zip(experts).filter(|(g, e)| g == e).count() as u64;
+                dict.top1_correct += guesses
+                    .iter()
+                    .zip(experts.chunks(k))
+                    .filter(|(g, set)| set.contains(g))
+                    .count() as u64;
                 dict.top1_accuracy = dict.top1_correct as f64 / dict.predictions.max(1) as f64;
             }
         }
         if stack == Stack::Decoder {
             self.current = self.layers.moe_index(stack, block);
         }
-        if self.history_stack != Some(stack) {
+        if self.history_stack != Some(stack) || self.history_k != k {
             self.history.clear();
             self.history_stack = Some(stack);
+            self.history_k = k;
         }
         self.history.push(experts.to_vec());
 
@@ -747,16 +819,19 @@ impl ExpertProvider for ExpertBuffer {
         let paths = dict.stack(next_stack);
         // Within a stack the path so far predicts the next layer; across the boundary (and to
         // the next token) only the layer's frequencies do.
-        let same_call = next_stack == stack && next_moe > 0;
-        let tokens = if same_call { experts.len() } else { 1 };
+        let same_call = next_stack == stack && next_moe > 0 && paths.top_k == k;
+        let tokens = if same_call { tokens } else { 1 };
+        // Summed over tokens: the probability that each expert is among a token's experts.
         let mut mass = vec![0.0f64; paths.num_experts];
         let mut guesses = Vec::with_capacity(tokens);
+        let mut history = Vec::new();
         for t in 0..tokens {
-            let history: Vec<u16> = if same_call {
-                self.history.iter().map(|layer| layer[t]).collect()
-            } else {
-                Vec::new()
-            };
+            history.clear();
+            if same_call {
+                for layer in &self.history {
+                    history.extend_from_slice(&layer[t * k..(t + 1) * k]);
+                }
+            }
             let p = paths.predict(next_moe, &history);
             let best = p
                 .iter()

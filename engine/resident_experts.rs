@@ -12,8 +12,10 @@ use crate::provider::{decode_expert, AlignedBuf, ExpertProvider, ExpertStats, Ex
 use crate::quant::{dequantize_into, quantize};
 
 pub struct ResidentExperts {
-    /// (expert, width) → (`wi` [d_ff, d_model], `wo` [d_model, d_ff]) in f32.
-    variants: HashMap<(ExpertId, ExpertEncoding), (Tensor, Tensor)>,
+    /// (expert, width) → its matrices in blob order (`wi`, `wo` or `gate`, `up`, `down`), f32.
+    variants: HashMap<(ExpertId, ExpertEncoding), Vec<Tensor>>,
+    /// Names of the matrices in blob order (the same for every expert of a store).
+    names: HashMap<ExpertId, Vec<String>>,
     /// Width in use for each expert (absent: its stored width).
     choice: HashMap<ExpertId, ExpertEncoding>,
     stored: HashMap<ExpertId, ExpertEncoding>,
@@ -50,30 +52,39 @@ impl ResidentExperts {
         let mut variants = HashMap::new();
         let mut stored = HashMap::new();
         let mut slot = AlignedBuf::new(store.max_padded_expert_bytes() as usize);
+        let mut names = HashMap::new();
         for entry in &store.index().experts {
             store.read_expert(entry.id, slot.as_mut_slice())?;
-            let shape = |name: &str| {
-                entry
-                    .matrix(name)
-                    .map(|m| [m.rows as i64, m.cols as i64])
-                    .ok_or_else(|| Error::Input(format!("{}: no `{name}` matrix", entry.id)))
-            };
-            let mut wi = Tensor::zeros(shape("wi")?, (tch::Kind::Float, tch::Device::Cpu));
-            let mut wo = Tensor::zeros(shape("wo")?, (tch::Kind::Float, tch::Device::Cpu));
-            decode_expert(entry, slot.as_slice(), &mut wi, &mut wo)?;
+            let mut matrices: Vec<Tensor> = entry
+                .matrices
+                .iter()
+                .map(|m| {
+                    Tensor::zeros(
+                        [m.rows as i64, m.cols as i64],
+                        (tch::Kind::Float, tch::Device::Cpu),
+                    )
+                })
+                .collect();
+            decode_expert(entry, slot.as_slice(), &mut matrices)?;
             for &width in extra_widths {
                 if width != entry.encoding {
-                    variants.insert(
-                        (entry.id, width),
-                        (requantized(&wi, width)?, requantized(&wo, width)?),
-                    );
+                    let requantized = matrices
+                        .iter()
+                        .map(|m| requantized(m, width))
+                        .collect::<Result<Vec<_>>>()?;
+                    variants.insert((entry.id, width), requantized);
                 }
             }
-            variants.insert((entry.id, entry.encoding), (wi, wo));
+            variants.insert((entry.id, entry.encoding), matrices);
             stored.insert(entry.id, entry.encoding);
+            names.insert(
+                entry.id,
+                entry.matrices.iter().map(|m| m.name.clone()).collect(),
+            );
         }
         Ok(ResidentExperts {
             variants,
+            names,
             choice: HashMap::new(),
             stored,
             stats: ExpertStats::default(),
@@ -112,7 +123,7 @@ impl ResidentExperts {
     pub fn bytes(&self) -> u64 {
         self.variants
             .values()
-            .map(|(a, b)| ((a.numel() + b.numel()) * 4) as u64)
+            .flat_map(|m| m.iter().map(|t| (t.numel() * 4) as u64))
             .sum()
     }
 }
@@ -125,13 +136,11 @@ impl ExpertProvider for ResidentExperts {
             .or_else(|| self.stored.get(&id))
             .copied()
             .ok_or_else(|| Error::Input(format!("{id} is not in the model")))?;
-        let (wi, wo) = &self.variants[&(id, width)];
+        let matrices = &self.variants[&(id, width)];
+        let names: Vec<&str> = self.names[&id].iter().map(String::as_str).collect();
         self.stats.accesses += 1;
         self.stats.hits += 1;
-        Ok(ExpertWeights {
-            wi: wi.shallow_clone(),
-            wo: wo.shallow_clone(),
-        })
+        ExpertWeights::from_matrices(id, &names, matrices)
     }
 
     fn stats(&self) -> &ExpertStats {

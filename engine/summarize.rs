@@ -2,20 +2,19 @@
 //! JSON lines with a `dialogue`/`document` field), sizing the expert buffer from the budget, and
 //! running generation.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::budget::{working_bytes, BudgetPlan, RunShape};
 use crate::bundle::Bundle;
-use crate::cache::Policy;
 use crate::error::{Error, Result};
-use crate::expert_store::{ExpertStore, ReadPacer, StorageMode};
 use crate::generate::{generate, DecodeOptions, Generation};
 use crate::model::SwitchModel;
-use crate::modes::{DemandLoader, ExpertSource, MappedExperts, Mode};
-use crate::paths::{PathDictionary, PATHS_FILE};
-use crate::provider::{BufferOptions, ExpertBuffer, ExpertProvider};
-use crate::resident_experts::ResidentExperts;
+use crate::modes::ExpertSource;
+use crate::paths::PathDictionary;
+use crate::provider::ExpertProvider;
+pub use crate::runtime::CacheOptions;
+use crate::runtime::ExpertRuntime;
 use crate::tokenizer::Tokenizer;
 
 /// Splits user input into documents. Input whose first non-empty line starts with `{` is read as
@@ -73,42 +72,6 @@ pub struct RunOptions {
     pub device: tch::Device,
 }
 
-/// How the expert buffer behaves.
-#[derive(Debug, Clone)]
-pub struct CacheOptions {
-    pub policy: Policy,
-    pub prefetch: bool,
-    /// Speculative bytes per forward call; `None` = two experts per decoder MoE layer.
-    pub prefetch_cap_bytes: Option<u64>,
-    /// Slots instead of "as many as the budget allows" (still checked against the budget).
-    pub buffer_experts: Option<usize>,
-    /// Record every expert access into this file.
-    pub trace: Option<PathBuf>,
-    pub storage: StorageMode,
-    /// Emulated device for `StorageMode::Emulate`: bytes per second and per-read latency.
-    pub emulated_device: Option<(f64, std::time::Duration)>,
-    pub mode: Mode,
-    /// Bundle whose (quantized) expert store the quantized modes use (`io-qexp`, `q`, `q+p`,
-    /// `q+p+c`); same model, other widths.
-    pub quantized_bundle: Option<PathBuf>,
-}
-
-impl Default for CacheOptions {
-    fn default() -> Self {
-        CacheOptions {
-            policy: Policy::Edgemoe,
-            prefetch: true,
-            prefetch_cap_bytes: None,
-            buffer_experts: None,
-            trace: None,
-            storage: StorageMode::Cached,
-            emulated_device: None,
-            mode: Mode::Edgemoe,
-            quantized_bundle: None,
-        }
-    }
-}
-
 /// A loaded model with its expert buffer, ready to summarize.
 pub struct Summarizer {
     pub model: SwitchModel,
@@ -128,45 +91,6 @@ impl Summarizer {
     pub fn open(bundle_dir: &Path, options: RunOptions) -> Result<Self> {
         let bundle = Bundle::open(bundle_dir)?;
         let spec = bundle.config.model.clone();
-        let mode = options.cache.mode;
-        let store_bundle = match (&options.cache.quantized_bundle, mode.uses_quantized_store()) {
-            (Some(q), true) => {
-                let other = Bundle::open(q)?;
-                if other.config.model != spec {
-                    return Err(Error::Input(format!(
-                        "{}: the quantized bundle is not the same model as {}",
-                        q.display(),
-                        bundle_dir.display()
-                    )));
-                }
-                other
-            }
-            (None, true) => {
-                return Err(Error::Input(format!(
-                    "mode `{mode}` needs a quantized bundle of the same model (--quantized BUNDLE)"
-                )))
-            }
-            _ => Bundle::open(bundle_dir)?,
-        };
-        let storage = match (mode, options.cache.storage) {
-            // The page cache is what mmap is about.
-            (Mode::Mmap, _) => StorageMode::Cached,
-            (_, s) => s,
-        };
-        let (mut store, warning) = ExpertStore::open_with(
-            &store_bundle.path(crate::bundle::EXPERTS_FILE),
-            &spec,
-            storage,
-        )?;
-        let pacer = match (options.cache.storage, options.cache.emulated_device) {
-            (StorageMode::Emulate, Some((bw, latency))) => Some(ReadPacer::new(bw, latency)),
-            (StorageMode::Emulate, None) => {
-                return Err(Error::Input(
-                    "--storage emulate needs a device profile (--profile NAME)".into(),
-                ))
-            }
-            _ => None,
-        };
         let tokenizer = bundle.tokenizer()?;
         let model = bundle.load_model_on(options.device)?;
         let working = working_bytes(
@@ -177,66 +101,18 @@ impl Summarizer {
                 beams: options.decode.num_beams,
             },
         );
-        let slot_bytes = store.max_padded_expert_bytes();
-        let mut plan = BudgetPlan::new(
+        let ExpertRuntime {
+            buffer,
+            plan,
+            dictionary,
+            warnings,
+        } = ExpertRuntime::open(
+            &bundle,
             options.budget_bytes,
             model.resident_bytes(),
             working,
-            slot_bytes,
-            store.index().experts.len(),
-            options.cache.buffer_experts,
+            &options.cache,
         )?;
-        let paths = bundle.path(PATHS_FILE);
-        let dictionary = if paths.exists() {
-            Some(Arc::new(PathDictionary::load(&paths)?))
-        } else {
-            None
-        };
-        let decoder_moe_layers = spec.moe_blocks(crate::config::Stack::Decoder).len() as u64;
-        let buffered = |slots: usize, prefetch: bool, store: ExpertStore| {
-            ExpertBuffer::with_options(
-                store,
-                &spec,
-                &BufferOptions {
-                    slots,
-                    policy: options.cache.policy,
-                    prefetch,
-                    prefetch_cap_bytes: options
-                        .cache
-                        .prefetch_cap_bytes
-                        .unwrap_or(2 * decoder_moe_layers.max(1) * slot_bytes),
-                },
-                dictionary.clone(),
-            )
-            .map(|b| ExpertSource::Buffer(Box::new(b)))
-        };
-        if mode != Mode::Mmap {
-            store.set_pacer(pacer.clone());
-        }
-        let mut buffer = match mode {
-            Mode::Edgemoe | Mode::QPC => buffered(plan.slots, options.cache.prefetch, store)?,
-            Mode::QP => {
-                plan.slots = 2;
-                buffered(2, true, store)?
-            }
-            Mode::IoExp | Mode::IoQexp | Mode::Q => {
-                plan.slots = 1;
-                ExpertSource::Demand(DemandLoader::new(store, &spec))
-            }
-            Mode::Mmap => {
-                plan.slots = 0;
-                ExpertSource::Mapped(MappedExperts::new(store, &spec, pacer)?)
-            }
-            Mode::IoFree => {
-                let resident = ResidentExperts::load(&store, &[])?;
-                plan.slots = 0;
-                plan.resident_bytes += resident.bytes();
-                ExpertSource::Resident(resident)
-            }
-        };
-        if let Some(trace) = &options.cache.trace {
-            buffer.record_trace(trace)?;
-        }
         Ok(Summarizer {
             model,
             tokenizer,
@@ -244,7 +120,7 @@ impl Summarizer {
             plan,
             options,
             dictionary,
-            warnings: warning.into_iter().collect(),
+            warnings,
             prefix: bundle.config.generation.input_prefix.clone(),
         })
     }

@@ -1,5 +1,6 @@
-//! The T5 SentencePiece tokenizer, through the `tokenizers` crate (the same code Hugging Face's
-//! fast tokenizer runs, so ids match `AutoTokenizer` exactly).
+//! A bundle's tokenizer (T5's SentencePiece for Switch; the decoder-only families' BPE), through
+//! the `tokenizers` crate (the same code Hugging Face's fast tokenizer runs, so ids match
+//! `AutoTokenizer` exactly).
 
 use std::path::{Path, PathBuf};
 
@@ -43,6 +44,13 @@ impl Tokenizer {
             }))
             .map_err(|e| self.error(e))?;
         let encoding = tokenizer.encode(text, true).map_err(|e| self.error(e))?;
+        Ok(encoding.get_ids().iter().map(|&id| id as i64).collect())
+    }
+
+    /// Ids of `text` with the tokenizer's special tokens (a BOS, an EOS: whatever its
+    /// post-processor adds, as `tokenizer(text)` does), without truncation.
+    pub fn encode_all(&self, text: &str) -> Result<Vec<i64>> {
+        let encoding = self.inner.encode(text, true).map_err(|e| self.error(e))?;
         Ok(encoding.get_ids().iter().map(|&id| id as i64).collect())
     }
 

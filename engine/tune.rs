@@ -9,7 +9,13 @@
 //!
 //! The inner loop uses a cheap proxy for accuracy: agreement of the generated tokens with the
 //! full-precision model's (bigram F1 of the token ids, 1 when identical); loss = 1 − agreement.
-//! The final plan is confirmed with ROUGE-2 against the references. Every measurement is kept in
+//! The final plan is confirmed with ROUGE-2 against the references.
+//!
+//! Either architecture: a Switch model summarizes each example's document; a decoder-only model
+//! continues it as a prompt (greedily, `max_new_tokens`), and ROUGE-2 compares that
+//! continuation with the reference (meaningful for instruction-tuned models prompted to
+//! summarize). Experts are tuned whole: a SwiGLU expert's `gate`, `up` and `down` share one
+//! width, as they share one blob. Every measurement is kept in
 //! a cache file next to the plan, so an interrupted or repeated run (another `P`) resumes.
 
 use std::collections::{BTreeMap, HashMap};
@@ -19,11 +25,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::bit_plan::BitPlan;
+use crate::causal::{complete, CompletionOptions};
 use crate::error::{Error, Result};
 use crate::eval::Example;
 use crate::expert_store::{ExpertEncoding, ExpertId};
 use crate::generate::{generate, DecodeOptions};
-use crate::model::SwitchModel;
+use crate::model::{DecoderOnlyModel, SwitchModel};
 use crate::quant::QuantBits;
 use crate::resident_experts::ResidentExperts;
 use crate::rouge;
@@ -66,10 +73,30 @@ struct MeasurementCache {
     losses: BTreeMap<String, f64>,
 }
 
+/// The model a tuner evaluates, and how it decodes (greedy).
+pub enum TuneModel<'a> {
+    Switch {
+        model: &'a SwitchModel,
+        decode: DecodeOptions,
+    },
+    DecoderOnly {
+        model: &'a DecoderOnlyModel,
+        completion: CompletionOptions,
+    },
+}
+
+impl TuneModel<'_> {
+    fn max_new_tokens(&self) -> usize {
+        match self {
+            TuneModel::Switch { decode, .. } => decode.max_new_tokens,
+            TuneModel::DecoderOnly { completion, .. } => completion.max_new_tokens,
+        }
+    }
+}
+
 pub struct Tuner<'a> {
-    model: &'a SwitchModel,
+    model: TuneModel<'a>,
     experts: ResidentExperts,
-    decode: DecodeOptions,
     inputs: Vec<Vec<i64>>,
     full_precision: Vec<Vec<i64>>,
     cache: MeasurementCache,
@@ -77,12 +104,12 @@ pub struct Tuner<'a> {
     pub progress: ProgressBar,
 }
 
-/// How examples are fed and decoded.
+/// How examples are fed.
 #[derive(Debug, Clone)]
 pub struct EvalSettings {
     pub prefix: String,
+    /// Longest source (Switch: truncated keeping `</s>`; decoder-only: its last tokens).
     pub max_source_tokens: usize,
-    pub decode: DecodeOptions,
 }
 
 /// What the tuner decided and measured.
@@ -108,7 +135,7 @@ pub fn expert_key(id: ExpertId) -> String {
 impl<'a> Tuner<'a> {
     /// Prepares the evaluation set (`examples` tokenized) and the full-precision outputs.
     pub fn new(
-        model: &'a SwitchModel,
+        model: TuneModel<'a>,
         experts: ResidentExperts,
         tokenizer: &Tokenizer,
         examples: &[Example],
@@ -119,18 +146,23 @@ impl<'a> Tuner<'a> {
         let inputs = examples
             .iter()
             .map(|e| {
-                tokenizer.encode(
-                    &crate::summarize::model_input(&e.document, &settings.prefix),
-                    settings.max_source_tokens,
-                )
+                let text = crate::summarize::model_input(&e.document, &settings.prefix);
+                match model {
+                    TuneModel::Switch { .. } => tokenizer.encode(&text, settings.max_source_tokens),
+                    TuneModel::DecoderOnly { .. } => {
+                        let mut ids = tokenizer.encode_all(&text)?;
+                        let max = settings.max_source_tokens.max(1);
+                        ids.drain(..ids.len().saturating_sub(max));
+                        Ok(ids)
+                    }
+                }
             })
             .collect::<Result<Vec<_>>>()?;
-        let decode = settings.decode;
         let evaluation = format!(
             "{} documents, input checksum {:08x}, {} new tokens",
             inputs.len(),
             crc32fast::hash(format!("{inputs:?}").as_bytes()),
-            decode.max_new_tokens
+            model.max_new_tokens()
         );
         let cache = match std::fs::read_to_string(cache_path) {
             Ok(text) => serde_json::from_str::<MeasurementCache>(&text)
@@ -150,7 +182,6 @@ impl<'a> Tuner<'a> {
         let mut tuner = Tuner {
             model,
             experts,
-            decode,
             inputs,
             full_precision: Vec::new(),
             cache: MeasurementCache {
@@ -168,7 +199,15 @@ impl<'a> Tuner<'a> {
     fn outputs(&mut self) -> Result<Vec<Vec<i64>>> {
         let mut out = Vec::with_capacity(self.inputs.len());
         for ids in &self.inputs {
-            out.push(generate(self.model, &mut self.experts, ids, &self.decode)?.tokens);
+            let tokens = match &self.model {
+                TuneModel::Switch { model, decode } => {
+                    generate(model, &mut self.experts, ids, decode)?.tokens
+                }
+                TuneModel::DecoderOnly { model, completion } => {
+                    complete(model, &mut self.experts, ids, completion, &mut |_| Ok(()))?.tokens
+                }
+            };
+            out.push(tokens);
         }
         Ok(out)
     }

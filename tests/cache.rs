@@ -44,7 +44,8 @@ fn calibrated_bundle() -> &'static Path {
                 &paths,
                 spec.moe_blocks(Stack::Encoder).len(),
                 spec.moe_blocks(Stack::Decoder).len(),
-                spec.num_experts,
+                spec.num_experts(),
+                spec.top_k(),
             )
             .save(&bundle.join(PATHS_FILE))
             .unwrap();

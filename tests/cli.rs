@@ -320,7 +320,7 @@ fn flipped_byte_is_reported_naming_the_expert_when_read() {
     }
 
     // Through the CLI: corrupt every expert of encoder block 0, which every input uses.
-    for expert in 0..spec.num_experts as u16 {
+    for expert in 0..spec.num_experts() as u16 {
         flip_byte_of(
             &bundle,
             ExpertId {

@@ -10,7 +10,7 @@ use edgemoe::config::Stack;
 use edgemoe::convert::{convert, ConvertOptions};
 use edgemoe::expert_store::{ExpertEncoding, ExpertId};
 use edgemoe::generate::{generate, DecodeOptions};
-use edgemoe::model::switch::{all_experts, expert_tensor_name};
+use edgemoe::model::switch::expert_tensor_name;
 use edgemoe::provider::{ExpertBuffer, ExpertProvider};
 use edgemoe::quant::{dequantize_scalar, quantize, QuantBits};
 use edgemoe::weights::WeightFiles;
@@ -22,7 +22,7 @@ fn mixed_width_store_decodes_exactly_and_runs() {
     let out = dir.path().join("mixed");
     let files = WeightFiles::open_hf_dir(&hf).unwrap();
     let config = edgemoe::convert::read_hf_config(&hf).unwrap();
-    let ids = all_experts(&config.model);
+    let ids = config.model.all_experts();
     let widths = [
         ExpertEncoding::Quant(QuantBits::Int8),
         ExpertEncoding::Quant(QuantBits::Int4),
@@ -54,7 +54,7 @@ fn mixed_width_store_decodes_exactly_and_runs() {
     let mut buffer = ExpertBuffer::new(store, &spec, 2);
     for &id in &ids {
         let weights = buffer.expert(id).unwrap();
-        for (name, got) in [("wi", &weights.wi), ("wo", &weights.wo)] {
+        for (name, got) in ["wi", "wo"].into_iter().zip(weights.matrices()) {
             let shape: Vec<usize> = got.size().iter().map(|&d| d as usize).collect();
             let source = files
                 .load_f32(&expert_tensor_name(id, name), &shape)

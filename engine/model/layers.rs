@@ -1,6 +1,9 @@
 //! Building blocks ported from Hugging Face's `modeling_switch_transformers.py` (transformers
-//! 5.x): RMS layer norm, attention without score scaling, relative position buckets, dense FF.
-//! Each op mirrors the PyTorch line it ports so that results match to float rounding.
+//! 5.x): RMS layer norm, attention without score scaling, relative position buckets, dense FF;
+//! and from the decoder-only families (`modeling_mixtral.py`, `modeling_qwen2_moe.py`,
+//! `modeling_olmoe.py`): the SwiGLU MLP, rotary position embeddings and `repeat_kv` for
+//! grouped-query attention. Each op mirrors the PyTorch line it ports so that results match to
+//! float rounding.
 
 use tch::{Kind, Tensor};
 
@@ -33,6 +36,72 @@ pub fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
 /// `SwitchTransformersDenseActDense` with ReLU: `relu(x · wiᵀ) · woᵀ`.
 pub fn dense_act_dense(x: &Tensor, wi: &Tensor, wo: &Tensor) -> Result<Tensor> {
     linear(&linear(x, wi)?.f_relu()?, wo)
+}
+
+/// SwiGLU MLP (`MixtralExperts`, `Qwen2MoeMLP`, `OlmoeExperts` for one expert):
+/// `down(silu(gate(x)) * up(x))`, with `gate`/`up` `[d_ff, d]` and `down` `[d, d_ff]`.
+pub fn gated_mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    // current_hidden_states = self.act_fn(gate) * up
+    let hidden = linear(x, gate)?.f_silu()?.f_mul(&linear(x, up)?)?;
+    linear(&hidden, down)
+}
+
+/// `nn.Linear` with an optional bias.
+pub fn linear_bias(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    Ok(x.f_linear(weight, bias)?)
+}
+
+/// Default rotary position embedding (`*RotaryEmbedding` with `rope_type` `default`): the
+/// inverse frequencies of one head's dimension pairs.
+pub struct Rotary {
+    /// `[head_dim / 2]`: `1 / base^(2i / head_dim)`
+    inv_freq: Tensor,
+}
+
+impl Rotary {
+    pub fn new(head_dim: usize, base: f64) -> Result<Self> {
+        let dim = head_dim as i64;
+        // inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        let exponents = Tensor::f_arange_start_step(0, dim, 2, (Kind::Float, tch::Device::Cpu))?
+            .f_div_scalar(dim as f64)?;
+        let inv_freq = Tensor::f_pow_scalar(base, &exponents)?.f_reciprocal()?;
+        Ok(Rotary { inv_freq })
+    }
+
+    /// `(cos, sin)`, each `[1, 1, n, head_dim]`, for positions `start .. start + n`.
+    pub fn cos_sin(&self, start: i64, n: i64) -> Result<(Tensor, Tensor)> {
+        let positions = Tensor::f_arange_start(start, start + n, (Kind::Float, tch::Device::Cpu))?;
+        // freqs = position_ids[..., None].float() * inv_freq; emb = torch.cat((freqs, freqs), -1)
+        let freqs = positions
+            .f_unsqueeze(-1)?
+            .f_mul(&self.inv_freq.f_unsqueeze(0)?)?; // [n, hd/2]
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?; // [n, hd]
+        let shape = |t: Tensor| t.f_unsqueeze(0)?.f_unsqueeze(0);
+        Ok((shape(emb.f_cos()?)?, shape(emb.f_sin()?)?))
+    }
+
+    /// `apply_rotary_pos_emb` on `x` `[b, heads, n, head_dim]`: `x·cos + rotate_half(x)·sin`.
+    pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let half = x.size()[3] / 2;
+        // rotate_half: torch.cat((-x2, x1), dim=-1)
+        let x1 = x.f_narrow(-1, 0, half)?;
+        let x2 = x.f_narrow(-1, half, half)?;
+        let rotated = Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)?;
+        Ok(x.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?)
+    }
+}
+
+/// `repeat_kv`: `[b, kv_heads, n, hd]` → `[b, kv_heads × n_rep, n, hd]`, each kv head serving
+/// `n_rep` consecutive query heads.
+pub fn repeat_kv(x: &Tensor, n_rep: i64) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.shallow_clone());
+    }
+    let s = x.size();
+    let (b, kv, n, hd) = (s[0], s[1], s[2], s[3]);
+    Ok(x.f_unsqueeze(2)?
+        .f_expand([b, kv, n_rep, n, hd], false)?
+        .f_reshape([b, kv * n_rep, n, hd])?)
 }
 
 /// Port of `SwitchTransformersAttention._relative_position_bucket`, with the same tensor ops so

@@ -1,9 +1,12 @@
-//! Model code: shared building blocks ([`layers`]), the one MoE feed-forward ([`moe`]) and the
-//! Switch Transformers architecture ([`switch`]) assembled from them.
+//! Model code: shared building blocks ([`layers`]), the one MoE feed-forward ([`moe`]), and the
+//! architectures assembled from them: Switch Transformers ([`switch`], encoder-decoder) and the
+//! decoder-only families Mixtral, Qwen2-MoE and OLMoE ([`decoder_only`]).
 
+pub mod decoder_only;
 pub mod layers;
 pub mod moe;
 pub mod switch;
 
-pub use moe::LayerRoute;
+pub use decoder_only::{DecoderOnlyModel, KvCache};
+pub use moe::{LayerRoute, Routing};
 pub use switch::{DecoderState, SwitchModel};

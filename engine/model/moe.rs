@@ -1,23 +1,50 @@
-//! The MoE feed-forward: route on the host, then run each chosen expert once over all the tokens
-//! routed to it (tokens grouped by expert, so an expert is fetched once per layer per call).
+//! The MoE feed-forward, one function for every architecture: route on the host, then run each
+//! chosen expert once over all the tokens routed to it (tokens grouped by expert, so an expert
+//! is fetched once per layer per call — the encoder pass and a decoder-only prompt prefill get
+//! this grouping for free).
 //!
-//! Port of `SwitchTransformersTop1Router` + `SwitchTransformersSparseMLP` (transformers 5.x):
-//! router logits in f32 → softmax in f32 → top-1; a token beyond its expert's capacity within its
-//! sequence gets no FF output (zeros, so the block keeps only the residual); the expert output is
-//! scaled by the router probability of the chosen expert.
+//! Routing (router logits in f32 → softmax in f32 → selection), per [`Routing`]:
+//! - [`Routing::Top1`], `SwitchTransformersTop1Router` + `SwitchTransformersSparseMLP`: argmax; a
+//!   token beyond its expert's capacity within its sequence gets no FF output (zeros, so the
+//!   block keeps only the residual); the expert output is scaled by the chosen probability.
+//! - [`Routing::TopK`], `MixtralTopKRouter` / `Qwen2MoeTopKRouter` / `OlmoeTopKRouter` +
+//!   their `*Experts`: `torch.topk` of the probabilities (descending, libtorch's tie order),
+//!   optionally renormalised to sum to 1; each expert's output is scaled by its weight and the
+//!   k outputs are summed in ascending expert order, as HF's `index_add_` loop does.
+//!
+//! A [`LayerRoute`] records k experts per token (router order: highest weight first).
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
-use super::layers::dense_act_dense;
+use super::layers::{dense_act_dense, gated_mlp};
 use crate::config::Stack;
 use crate::error::Result;
 use crate::expert_store::ExpertId;
-use crate::provider::ExpertProvider;
+use crate::provider::{ExpertProvider, ExpertWeights};
 
-/// A block's router: `classifier` `[num_experts, d_model]` (+ optional bias).
+/// A block's router: `[num_experts, d_model]` (+ optional bias).
 pub struct Router {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+}
+
+/// How router probabilities become expert choices and weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// Switch Transformers: one expert per token, at most `capacity` tokens per expert per
+    /// sequence.
+    Top1 { capacity: usize },
+    /// Decoder-only families: `k` experts per token, weights renormalised if `normalize`.
+    TopK { k: usize, normalize: bool },
+}
+
+impl Routing {
+    pub fn k(self) -> usize {
+        match self {
+            Routing::Top1 { .. } => 1,
+            Routing::TopK { k, .. } => k,
+        }
+    }
 }
 
 /// The routing decisions of one MoE layer for one forward call.
@@ -26,49 +53,100 @@ pub struct LayerRoute {
     pub stack: Stack,
     /// Block index inside the stack.
     pub layer: usize,
-    /// Chosen expert per token, in `[batch, seq]` row-major order.
+    /// Experts per token.
+    pub k: usize,
+    /// Chosen experts, `k` per token (highest weight first), tokens in `[batch, seq]` row-major
+    /// order: `[tokens × k]`.
     pub experts: Vec<u16>,
-    /// Whether the token overflowed its expert's capacity and got no expert output.
+    /// Whether the token overflowed its expert's capacity and got no expert output (top-1).
     pub dropped: Vec<bool>,
+}
+
+impl LayerRoute {
+    pub fn tokens(&self) -> usize {
+        self.experts.len() / self.k.max(1)
+    }
+
+    /// The experts of token `t`, highest weight first.
+    pub fn token_experts(&self, t: usize) -> &[u16] {
+        &self.experts[t * self.k..(t + 1) * self.k]
+    }
+}
+
+/// One expert's FFN on `x` `[t, d]`.
+pub fn expert_forward(x: &Tensor, w: &ExpertWeights) -> Result<Tensor> {
+    match w {
+        ExpertWeights::Relu { wi, wo } => dense_act_dense(x, wi, wo),
+        ExpertWeights::SwiGlu { gate, up, down } => gated_mlp(x, gate, up, down),
+    }
 }
 
 /// The MoE sub-layer of block `layer` of `stack` on `x` `[b, n, d_model]` (already normed).
 pub fn moe_ffn(
     x: &Tensor,
     router: &Router,
+    routing: Routing,
     stack: Stack,
     layer: usize,
-    expert_capacity: usize,
     provider: &mut dyn ExpertProvider,
     routes: &mut Vec<LayerRoute>,
 ) -> Result<Tensor> {
     let size = x.size();
     let (b, n, d) = (size[0], size[1], size[2]);
     let tokens = x.f_reshape([b * n, d])?; // [t, d]
-                                           // router_logits = self.classifier(hidden_states.to(float32)); softmax in float32
+    let t_count = (b * n) as usize;
+    // router_logits = linear(hidden_states, weight); softmax in float32
     let logits = tokens.f_linear(&router.weight, router.bias.as_ref())?; // [t, E]
     let probs = logits.f_softmax(-1, Kind::Float)?;
-    let chosen = probs.f_argmax(-1, false)?; // [t]
-    let weights = probs.f_amax([-1i64].as_slice(), false)?; // [t], probability of the choice
-    let chosen: Vec<i64> = Vec::<i64>::try_from(&chosen.f_to_device(Device::Cpu)?)?;
+    let k = routing.k();
+    let (chosen, weights) = match routing {
+        Routing::Top1 { .. } => (
+            probs.f_argmax(-1, false)?,               // [t]
+            probs.f_amax([-1i64].as_slice(), false)?, // [t], probability of the choice
+        ),
+        Routing::TopK { k, normalize } => {
+            // router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+            let (mut top, idx) = probs.f_topk(k as i64, -1, true, true)?; // [t, k] each
+            if normalize {
+                // router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+                top =
+                    top.f_div(&top.f_sum_dim_intlist([-1i64].as_slice(), true, Kind::Float)?)?;
+            }
+            (idx.f_reshape([-1])?, top.f_reshape([-1])?) // [t × k]
+        }
+    };
+    let chosen: Vec<i64> = Vec::<i64>::try_from(&chosen.f_to_device(tch::Device::Cpu)?)?;
     let chosen_experts: Vec<u16> = chosen.iter().map(|&e| e as u16).collect();
     // Before any expert computes: drop stale prefetches, prefetch the next layer's experts.
-    provider.routed(stack, layer, &chosen_experts)?;
+    provider.routed(stack, layer, k, &chosen_experts)?;
 
-    // token_priority = cumsum(one_hot(expert_index), dim=seq); keep while <= expert_capacity
+    // Per expert: the tokens routed to it and the positions of their weights in `weights`.
     let num_experts = router.weight.size()[0] as usize;
-    let mut dropped = vec![false; chosen.len()];
+    let mut dropped = vec![false; t_count];
     let mut tokens_of: Vec<Vec<i64>> = vec![Vec::new(); num_experts];
-    for row in 0..b as usize {
-        let mut seen = vec![0usize; num_experts];
-        for pos in 0..n as usize {
-            let t = row * n as usize + pos;
-            let e = chosen[t] as usize;
-            seen[e] += 1;
-            if seen[e] <= expert_capacity {
-                tokens_of[e].push(t as i64);
-            } else {
-                dropped[t] = true;
+    let mut slots_of: Vec<Vec<i64>> = vec![Vec::new(); num_experts];
+    match routing {
+        Routing::Top1 { capacity } => {
+            // token_priority = cumsum(one_hot(expert_index), dim=seq); keep while <= capacity
+            for row in 0..b as usize {
+                let mut seen = vec![0usize; num_experts];
+                for pos in 0..n as usize {
+                    let t = row * n as usize + pos;
+                    let e = chosen[t] as usize;
+                    seen[e] += 1;
+                    if seen[e] <= capacity {
+                        tokens_of[e].push(t as i64);
+                        slots_of[e].push(t as i64);
+                    } else {
+                        dropped[t] = true;
+                    }
+                }
+            }
+        }
+        Routing::TopK { .. } => {
+            for (slot, &e) in chosen.iter().enumerate() {
+                tokens_of[e as usize].push((slot / k) as i64);
+                slots_of[e as usize].push(slot as i64);
             }
         }
     }
@@ -85,24 +163,21 @@ pub fn moe_ffn(
     for (i, &expert) in used.iter().enumerate() {
         let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
         let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
-        let w = provider.expert(expert_id(expert))?;
-        // Experts are decoded on the host; on a GPU they are moved for the matmuls.
-        let (wi, wo) = if w.wi.device() == x.device() {
-            (w.wi, w.wo)
-        } else {
-            (w.wi.f_to_device(x.device())?, w.wo.f_to_device(x.device())?)
-        };
+                                                        // Experts are decoded on the host; on a GPU they are moved for the matmuls.
+        let w = provider.expert(expert_id(expert))?.to_device(x.device())?;
         // The next expert's read overlaps this one's compute.
         if let Some(&next) = used.get(i + 1) {
             provider.will_use(expert_id(next))?;
         }
-        let y = dense_act_dense(&selected, &wi, &wo)?
-            .f_mul(&weights.f_index_select(0, &idx)?.f_unsqueeze(-1)?)?;
+        let slots = Tensor::f_from_slice(&slots_of[expert])?.f_to_device(x.device())?;
+        let scale = weights.f_index_select(0, &slots)?; // [t_e]
+        let y = expert_forward(&selected, &w)?.f_mul(&scale.f_unsqueeze(-1)?)?; // [t_e, d]
         let _ = out.f_index_add_(0, &idx, &y)?;
     }
     routes.push(LayerRoute {
         stack,
         layer,
+        k,
         experts: chosen_experts,
         dropped,
     });

@@ -7,8 +7,8 @@
 use tch::{Device, Tensor};
 
 use super::layers::{dense_act_dense, Attention, RmsNorm};
-use super::moe::{moe_ffn, LayerRoute, Router};
-use crate::config::{ModelSpec, Stack};
+use super::moe::{moe_ffn, LayerRoute, Router, Routing};
+use crate::config::{Stack, SwitchSpec};
 use crate::error::{Error, Result};
 use crate::expert_store::ExpertId;
 use crate::provider::ExpertProvider;
@@ -32,25 +32,8 @@ pub fn expert_tensor_name(id: ExpertId, matrix: &str) -> String {
     )
 }
 
-/// Every expert of the model, encoder first, in execution order.
-pub fn all_experts(spec: &ModelSpec) -> Vec<ExpertId> {
-    let mut ids = Vec::new();
-    for stack in [Stack::Encoder, Stack::Decoder] {
-        for layer in spec.moe_blocks(stack) {
-            for expert in 0..spec.num_experts {
-                ids.push(ExpertId {
-                    stack,
-                    layer: layer as u16,
-                    expert: expert as u16,
-                });
-            }
-        }
-    }
-    ids
-}
-
 /// Tensors a checkpoint may hold that the engine does not need: copies of `shared.weight`.
-pub fn redundant_tensors(spec: &ModelSpec) -> Vec<String> {
+pub fn redundant_tensors(spec: &SwitchSpec) -> Vec<String> {
     let mut names = Vec::new();
     for stack in [Stack::Encoder, Stack::Decoder] {
         if !spec.separate_embeddings(stack) {
@@ -68,7 +51,7 @@ fn embed_tokens_name(stack: Stack) -> String {
 }
 
 /// Every non-expert tensor with its shape (the resident part of the model).
-pub fn resident_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>)> {
+pub fn resident_tensors(spec: &SwitchSpec) -> Vec<(String, Vec<usize>)> {
     let (d, inner, d_ff) = (spec.d_model, spec.inner_dim(), spec.d_ff);
     let mut t = vec![("shared.weight".to_string(), vec![spec.vocab_size, d])];
     if !spec.tie_word_embeddings {
@@ -145,7 +128,7 @@ struct StackWeights {
 
 /// The resident part of a Switch Transformers model; experts come from an [`ExpertProvider`].
 pub struct SwitchModel {
-    spec: ModelSpec,
+    spec: SwitchSpec,
     /// `[V, d]` token embeddings (and the LM head when embeddings are tied).
     shared: Tensor,
     /// `[V, d]` when embeddings are not tied.
@@ -167,13 +150,13 @@ pub struct DecoderState {
 
 impl SwitchModel {
     /// Loads the resident weights (owned f32 copies) from `files`, on the CPU.
-    pub fn load(spec: &ModelSpec, files: &WeightFiles) -> Result<Self> {
+    pub fn load(spec: &SwitchSpec, files: &WeightFiles) -> Result<Self> {
         Self::load_on(spec, files, Device::Cpu)
     }
 
     /// Loads the resident weights onto `device` (`Device::Cuda(0)` on a Jetson: the dense math
     /// runs there; experts are decoded on the host and moved when used).
-    pub fn load_on(spec: &ModelSpec, files: &WeightFiles, device: Device) -> Result<Self> {
+    pub fn load_on(spec: &SwitchSpec, files: &WeightFiles, device: Device) -> Result<Self> {
         let _guard = tch::no_grad_guard();
         let mut resident_bytes = 0u64;
         let mut get = |name: &str, shape: &[usize]| -> Result<Tensor> {
@@ -283,7 +266,7 @@ impl SwitchModel {
         })
     }
 
-    pub fn spec(&self) -> &ModelSpec {
+    pub fn spec(&self) -> &SwitchSpec {
         &self.spec
     }
 
@@ -327,9 +310,11 @@ impl SwitchModel {
             FeedForward::Sparse(router) => moe_ffn(
                 &normed,
                 router,
+                Routing::Top1 {
+                    capacity: self.spec.expert_capacity,
+                },
                 stack.stack,
                 index,
-                self.spec.expert_capacity,
                 provider,
                 routes,
             )?,

@@ -1,0 +1,522 @@
+//! Decoder-only MoE language models — `MixtralForCausalLM`, `Qwen2MoeForCausalLM`,
+//! `OlmoeForCausalLM` (transformers 5.x) — as one model over shared blocks: the tensor-name
+//! tables, loading the resident weights, and a forward call over new tokens with a KV cache
+//! (the whole prompt at once in prefill, then one token per step).
+//!
+//! Decisions:
+//! - Resident weights are stored in the bundle under transformers 5.x's in-memory names
+//!   (`model.layers.{i}.mlp.gate.weight` for every family's router; Mixtral checkpoints say
+//!   `block_sparse_moe.gate.weight`). Routed experts go to the expert store; Qwen2-MoE's shared
+//!   expert and its gate stay resident (every token uses them).
+//! - Batch of one sequence: generation here is greedy or sampled, never beam search, so the
+//!   KV cache is `[1, kv_heads, len, head_dim]` per layer and grows by concatenation.
+//! - A forward call returns the logits of its last token only (the next-token distribution);
+//!   the prompt's other positions never need the `[n, V]` projection.
+//! - The MoE FFN is the engine's one `moe_ffn` with top-k routing; prefill groups the prompt's
+//!   tokens by expert, so each chosen expert of a layer is read once per prompt.
+//!
+//! Shapes: `n` = tokens in the call, `past` = tokens already cached, `d` = hidden size,
+//! `H`/`KV` = query/key-value heads, `hd` = head dim, `V` = vocabulary, `E` = experts.
+
+use tch::{Kind, Tensor};
+
+use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, RmsNorm, Rotary};
+use super::moe::{moe_ffn, LayerRoute, Router, Routing};
+use crate::config::{DecoderFamily, DecoderSpec, Stack};
+use crate::error::{Error, Result};
+use crate::expert_store::ExpertId;
+use crate::provider::ExpertProvider;
+use crate::weights::WeightFiles;
+
+fn layer_prefix(layer: usize) -> String {
+    format!("model.layers.{layer}")
+}
+
+/// Every non-expert tensor with its shape, under the names the bundle stores them by.
+pub fn resident_tensors(spec: &DecoderSpec) -> Vec<(String, Vec<usize>)> {
+    let d = spec.hidden_size;
+    let (q, kv) = (spec.q_dim(), spec.kv_dim());
+    let mut t = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![spec.vocab_size, d],
+    )];
+    if !spec.tie_word_embeddings {
+        t.push(("lm_head.weight".into(), vec![spec.vocab_size, d]));
+    }
+    t.push(("model.norm.weight".into(), vec![d]));
+    for layer in 0..spec.num_layers {
+        let p = layer_prefix(layer);
+        t.push((format!("{p}.input_layernorm.weight"), vec![d]));
+        t.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
+        let a = format!("{p}.self_attn");
+        for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+            t.push((format!("{a}.{proj}.weight"), vec![rows, d]));
+            if spec.qkv_bias {
+                t.push((format!("{a}.{proj}.bias"), vec![rows]));
+            }
+        }
+        t.push((format!("{a}.o_proj.weight"), vec![d, q]));
+        if spec.o_bias {
+            t.push((format!("{a}.o_proj.bias"), vec![d]));
+        }
+        if spec.qk_norm {
+            t.push((format!("{a}.q_norm.weight"), vec![q]));
+            t.push((format!("{a}.k_norm.weight"), vec![kv]));
+        }
+        let m = format!("{p}.mlp");
+        if spec.is_moe(layer) {
+            t.push((format!("{m}.gate.weight"), vec![spec.num_experts, d]));
+            if let Some(s) = spec.shared_expert_intermediate_size {
+                t.push((format!("{m}.shared_expert.gate_proj.weight"), vec![s, d]));
+                t.push((format!("{m}.shared_expert.up_proj.weight"), vec![s, d]));
+                t.push((format!("{m}.shared_expert.down_proj.weight"), vec![d, s]));
+                t.push((format!("{m}.shared_expert_gate.weight"), vec![1, d]));
+            }
+        } else {
+            let f = spec.intermediate_size;
+            t.push((format!("{m}.gate_proj.weight"), vec![f, d]));
+            t.push((format!("{m}.up_proj.weight"), vec![f, d]));
+            t.push((format!("{m}.down_proj.weight"), vec![d, f]));
+        }
+    }
+    t
+}
+
+/// Other names a checkpoint may give a resident tensor: Mixtral's pre-5.x router name, as
+/// `save_pretrained` still writes it (`block_sparse_moe.gate.weight`).
+pub fn checkpoint_aliases(spec: &DecoderSpec, name: &str) -> Vec<String> {
+    match spec.family {
+        DecoderFamily::Mixtral if name.ends_with(".mlp.gate.weight") => {
+            vec![name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")]
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// Tensors a checkpoint may hold that the engine does not need: the LM head of tied
+/// checkpoints (a copy of the embedding) and RoPE's recomputable inverse frequencies.
+pub fn redundant_tensors(spec: &DecoderSpec) -> Vec<String> {
+    let mut names: Vec<String> = (0..spec.num_layers)
+        .map(|l| format!("{}.self_attn.rotary_emb.inv_freq", layer_prefix(l)))
+        .collect();
+    names.push("model.rotary_emb.inv_freq".into());
+    if spec.tie_word_embeddings {
+        names.push("lm_head.weight".into());
+    }
+    names
+}
+
+/// The engine's names of an expert's three matrices, in blob order.
+pub const EXPERT_MATRICES: [&str; 3] = ["gate", "up", "down"];
+
+/// Checkpoint name of one matrix (`gate`, `up` or `down`) of one expert in the per-expert
+/// layout that `save_pretrained` writes (transformers 5.x included).
+pub fn expert_tensor_name(family: DecoderFamily, id: ExpertId, matrix: &str) -> String {
+    let p = layer_prefix(id.layer as usize);
+    let e = id.expert;
+    match family {
+        DecoderFamily::Mixtral => {
+            let w = match matrix {
+                "gate" => "w1",
+                "down" => "w2",
+                _ => "w3",
+            };
+            format!("{p}.block_sparse_moe.experts.{e}.{w}.weight")
+        }
+        DecoderFamily::Qwen2Moe | DecoderFamily::Olmoe => {
+            format!("{p}.mlp.experts.{e}.{matrix}_proj.weight")
+        }
+    }
+}
+
+/// Checkpoint names of a layer's fused experts (transformers 5.x in memory, and
+/// `save_pretrained(save_original_format=False)`): `gate_up_proj` `[E, 2·d_ff, d]` (each
+/// expert's gate rows, then its up rows) and `down_proj` `[E, d, d_ff]`.
+pub fn fused_expert_names(layer: usize) -> (String, String) {
+    let p = layer_prefix(layer);
+    (
+        format!("{p}.mlp.experts.gate_up_proj"),
+        format!("{p}.mlp.experts.down_proj"),
+    )
+}
+
+/// `*Attention` with RoPE, grouped-query heads and the families' options.
+struct Attention {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o_bias: Option<Tensor>,
+    /// OLMoE: RMSNorm of the whole q and k projections.
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    window: Option<usize>,
+}
+
+/// Qwen2-MoE's shared expert and its gate `[1, d]`.
+struct SharedExpert {
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    expert_gate: Tensor,
+}
+
+enum FeedForward {
+    Dense {
+        gate: Tensor,
+        up: Tensor,
+        down: Tensor,
+    },
+    Sparse {
+        router: Router,
+        shared: Option<SharedExpert>,
+    },
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    attention: Attention,
+    post_attention_norm: RmsNorm,
+    ff: FeedForward,
+}
+
+/// The resident part of a decoder-only MoE model; experts come from an [`ExpertProvider`].
+pub struct DecoderOnlyModel {
+    spec: DecoderSpec,
+    /// `[V, d]` token embeddings (and the LM head when tied).
+    embed_tokens: Tensor,
+    /// `[V, d]` when embeddings are not tied.
+    lm_head: Option<Tensor>,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    rotary: Rotary,
+    resident_bytes: u64,
+}
+
+/// The KV cache of one running sequence.
+pub struct KvCache {
+    /// Per layer: keys and values after RoPE, `[1, KV, len, hd]`.
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Tokens cached (the position of the next one).
+    len: i64,
+}
+
+impl KvCache {
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl DecoderOnlyModel {
+    /// Loads the resident weights (owned f32 copies) from `files` (a bundle's resident file).
+    pub fn load(spec: &DecoderSpec, files: &WeightFiles) -> Result<Self> {
+        let _guard = tch::no_grad_guard();
+        let shapes: std::collections::HashMap<String, Vec<usize>> =
+            resident_tensors(spec).into_iter().collect();
+        let mut resident_bytes = 0u64;
+        let mut get = |name: String| -> Result<Tensor> {
+            let shape = shapes
+                .get(&name)
+                .unwrap_or_else(|| panic!("{name} is in the resident table"));
+            let t = files.load_f32(&name, shape)?;
+            resident_bytes += (t.numel() * 4) as u64;
+            Ok(t)
+        };
+        let norm = |weight: Tensor| RmsNorm {
+            weight,
+            eps: spec.rms_norm_eps,
+        };
+        let embed_tokens = get("model.embed_tokens.weight".into())?;
+        let lm_head = if spec.tie_word_embeddings {
+            None
+        } else {
+            Some(get("lm_head.weight".into())?)
+        };
+        let mut layers = Vec::with_capacity(spec.num_layers);
+        for layer in 0..spec.num_layers {
+            let p = layer_prefix(layer);
+            let a = format!("{p}.self_attn");
+            let bias = |get: &mut dyn FnMut(String) -> Result<Tensor>,
+                        proj: &str,
+                        on: bool|
+             -> Result<Option<Tensor>> {
+                Ok(if on {
+                    Some(get(format!("{a}.{proj}.bias"))?)
+                } else {
+                    None
+                })
+            };
+            let attention = Attention {
+                q: get(format!("{a}.q_proj.weight"))?,
+                k: get(format!("{a}.k_proj.weight"))?,
+                v: get(format!("{a}.v_proj.weight"))?,
+                o: get(format!("{a}.o_proj.weight"))?,
+                q_bias: bias(&mut get, "q_proj", spec.qkv_bias)?,
+                k_bias: bias(&mut get, "k_proj", spec.qkv_bias)?,
+                v_bias: bias(&mut get, "v_proj", spec.qkv_bias)?,
+                o_bias: bias(&mut get, "o_proj", spec.o_bias)?,
+                q_norm: if spec.qk_norm {
+                    Some(norm(get(format!("{a}.q_norm.weight"))?))
+                } else {
+                    None
+                },
+                k_norm: if spec.qk_norm {
+                    Some(norm(get(format!("{a}.k_norm.weight"))?))
+                } else {
+                    None
+                },
+                window: spec.attention_windows.get(layer).copied().flatten(),
+            };
+            let m = format!("{p}.mlp");
+            let ff = if spec.is_moe(layer) {
+                let shared = match spec.shared_expert_intermediate_size {
+                    Some(_) => Some(SharedExpert {
+                        gate: get(format!("{m}.shared_expert.gate_proj.weight"))?,
+                        up: get(format!("{m}.shared_expert.up_proj.weight"))?,
+                        down: get(format!("{m}.shared_expert.down_proj.weight"))?,
+                        expert_gate: get(format!("{m}.shared_expert_gate.weight"))?,
+                    }),
+                    None => None,
+                };
+                FeedForward::Sparse {
+                    router: Router {
+                        weight: get(format!("{m}.gate.weight"))?,
+                        bias: None,
+                    },
+                    shared,
+                }
+            } else {
+                FeedForward::Dense {
+                    gate: get(format!("{m}.gate_proj.weight"))?,
+                    up: get(format!("{m}.up_proj.weight"))?,
+                    down: get(format!("{m}.down_proj.weight"))?,
+                }
+            };
+            layers.push(Layer {
+                input_norm: norm(get(format!("{p}.input_layernorm.weight"))?),
+                attention,
+                post_attention_norm: norm(get(format!("{p}.post_attention_layernorm.weight"))?),
+                ff,
+            });
+        }
+        let final_norm = norm(get("model.norm.weight".into())?);
+        Ok(DecoderOnlyModel {
+            spec: spec.clone(),
+            embed_tokens,
+            lm_head,
+            layers,
+            norm: final_norm,
+            rotary: Rotary::new(spec.head_dim, spec.rope_theta)?,
+            resident_bytes,
+        })
+    }
+
+    pub fn spec(&self) -> &DecoderSpec {
+        &self.spec
+    }
+
+    /// Bytes of the resident (non-expert) weights as held in memory (f32).
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
+    }
+
+    /// An empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: (0..self.layers.len()).map(|_| None).collect(),
+            len: 0,
+        }
+    }
+
+    /// Feeds `ids` (the prompt, or the one token sampled last) after what `cache` holds and
+    /// returns the next-token logits `[V]` (f32).
+    pub fn forward(
+        &self,
+        ids: &[i64],
+        cache: &mut KvCache,
+        provider: &mut dyn ExpertProvider,
+        routes: &mut Vec<LayerRoute>,
+    ) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        if ids.is_empty() {
+            return Err(Error::Input("no tokens to feed the model".into()));
+        }
+        let vocab = self.spec.vocab_size as i64;
+        if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(Error::Input(format!(
+                "token id {bad} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        provider.begin_step(Stack::Decoder);
+        let n = ids.len() as i64;
+        let past = cache.len;
+        let input = Tensor::f_from_slice(ids)?.f_view([1, n])?;
+        let mut h = Tensor::f_embedding(&self.embed_tokens, &input, -1, false, false)?; // [1, n, d]
+        let (cos, sin) = self.rotary.cos_sin(past, n)?; // [1, 1, n, hd]
+        let routing = Routing::TopK {
+            k: self.spec.top_k,
+            normalize: self.spec.norm_topk_prob,
+        };
+        for (index, layer) in self.layers.iter().enumerate() {
+            // hidden_states = residual + self_attn(input_layernorm(hidden_states))
+            let normed = layer.input_norm.forward(&h)?;
+            let attended =
+                self.attend(layer, &normed, &cos, &sin, past, &mut cache.layers[index])?;
+            h = h.f_add(&attended)?;
+            // hidden_states = residual + mlp(post_attention_layernorm(hidden_states))
+            let normed = layer.post_attention_norm.forward(&h)?;
+            let ff = match &layer.ff {
+                FeedForward::Dense { gate, up, down } => gated_mlp(&normed, gate, up, down)?,
+                FeedForward::Sparse { router, shared } => {
+                    let routed = moe_ffn(
+                        &normed,
+                        router,
+                        routing,
+                        Stack::Decoder,
+                        index,
+                        provider,
+                        routes,
+                    )?;
+                    match shared {
+                        // expert_output + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+                        Some(s) => {
+                            let gate = linear(&normed, &s.expert_gate)?.f_sigmoid()?; // [1, n, 1]
+                            let out = gated_mlp(&normed, &s.gate, &s.up, &s.down)?;
+                            routed.f_add(&gate.f_mul(&out)?)?
+                        }
+                        None => routed,
+                    }
+                }
+            };
+            h = h.f_add(&ff)?;
+        }
+        cache.len += n;
+        let last = self.norm.forward(&h.f_select(1, n - 1)?)?; // [1, d]
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(last.f_linear::<&Tensor>(head, None)?.f_reshape([vocab])?)
+    }
+
+    /// Self-attention of `x` `[1, n, d]` at positions `past ..`, appending to `kv`.
+    fn attend(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        past: i64,
+        kv: &mut Option<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let a = &layer.attention;
+        let spec = &self.spec;
+        let n = x.size()[1];
+        let (heads, kv_heads, hd) = (
+            spec.num_heads as i64,
+            spec.num_kv_heads as i64,
+            spec.head_dim as i64,
+        );
+        let mut q = linear_bias(x, &a.q, a.q_bias.as_ref())?; // [1, n, H·hd]
+        let mut k = linear_bias(x, &a.k, a.k_bias.as_ref())?; // [1, n, KV·hd]
+        let mut v = linear_bias(x, &a.v, a.v_bias.as_ref())?;
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            // query_states = self.q_norm(self.q_proj(hidden_states)) (before splitting heads)
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        if let Some(c) = spec.clip_qkv {
+            q = q.f_clamp(-c, c)?;
+            k = k.f_clamp(-c, c)?;
+            v = v.f_clamp(-c, c)?;
+        }
+        let heads_of = |t: Tensor, h: i64| t.f_view([1, n, h, hd])?.f_transpose(1, 2);
+        let q = Rotary::apply(&heads_of(q, heads)?, cos, sin)?; // [1, H, n, hd]
+        let k = Rotary::apply(&heads_of(k, kv_heads)?, cos, sin)?; // [1, KV, n, hd]
+        let v = heads_of(v, kv_heads)?;
+        let (keys, values) = match kv.take() {
+            Some((pk, pv)) => (Tensor::f_cat(&[pk, k], 2)?, Tensor::f_cat(&[pv, v], 2)?),
+            None => (k, v),
+        }; // [1, KV, past + n, hd]
+        let rep = heads / kv_heads;
+        let keys_h = repeat_kv(&keys, rep)?; // [1, H, total, hd]
+        let values_h = repeat_kv(&values, rep)?;
+        *kv = Some((keys, values));
+        // attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+        let mut scores = q
+            .f_matmul(&keys_h.f_transpose(2, 3)?)?
+            .f_mul_scalar((hd as f64).powf(-0.5))?; // [1, H, n, total]
+        if let Some(mask) = attention_mask(n, past, a.window)? {
+            scores = scores.f_add(&mask)?;
+        }
+        let weights = scores.f_softmax(-1, Kind::Float)?;
+        let out = weights
+            .f_matmul(&values_h)? // [1, H, n, hd]
+            .f_transpose(1, 2)?
+            .f_contiguous()?
+            .f_reshape([1, n, heads * hd])?;
+        linear_bias(&out, &a.o, a.o_bias.as_ref())
+    }
+}
+
+/// Additive mask `[1, 1, n, past + n]` (0 = seen, -inf = hidden) for queries at positions
+/// `past ..` over keys `0 .. past + n`: causal, and within `window` when given (a key is seen
+/// while `query − key < window`). `None` when nothing is hidden (one new token, no window).
+fn attention_mask(n: i64, past: i64, window: Option<usize>) -> Result<Option<Tensor>> {
+    let total = past + n;
+    let hides_old = window.is_some_and(|w| total > w as i64);
+    if n == 1 && !hides_old {
+        return Ok(None);
+    }
+    let opts = (Kind::Int64, tch::Device::Cpu);
+    let query = Tensor::f_arange_start(past, total, opts)?.f_unsqueeze(1)?; // [n, 1]
+    let key = Tensor::f_arange(total, opts)?.f_unsqueeze(0)?; // [1, total]
+    let distance = query.f_sub(&key)?; // [n, total]
+    let mut hidden = distance.f_lt(0)?;
+    if let Some(w) = window {
+        hidden = hidden.f_logical_or(&distance.f_ge(w as i64)?)?;
+    }
+    let mask = Tensor::f_zeros([n, total], (Kind::Float, tch::Device::Cpu))?
+        .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
+    Ok(Some(mask.f_unsqueeze(0)?.f_unsqueeze(0)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_are_causal_and_windowed() {
+        assert!(attention_mask(1, 5, None).unwrap().is_none());
+        assert!(attention_mask(1, 2, Some(4)).unwrap().is_none());
+        let m = attention_mask(3, 1, Some(2)).unwrap().unwrap();
+        let v = Vec::<f32>::try_from(m.flatten(0, -1)).unwrap();
+        let inf = f32::NEG_INFINITY;
+        // queries at 1, 2, 3 over keys 0..4; window 2: query − key ∈ {0, 1}
+        assert_eq!(
+            v,
+            vec![0., 0., inf, inf, inf, 0., 0., inf, inf, inf, 0., 0.]
+        );
+    }
+
+    #[test]
+    fn expert_names_follow_each_family() {
+        let id = ExpertId {
+            stack: Stack::Decoder,
+            layer: 3,
+            expert: 5,
+        };
+        assert_eq!(
+            expert_tensor_name(DecoderFamily::Mixtral, id, "up"),
+            "model.layers.3.block_sparse_moe.experts.5.w3.weight"
+        );
+        assert_eq!(
+            expert_tensor_name(DecoderFamily::Olmoe, id, "down"),
+            "model.layers.3.mlp.experts.5.down_proj.weight"
+        );
+    }
+}
