@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::assert_close;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -25,8 +27,6 @@ use edgemoe::provider::{BufferOptions, ExpertBuffer, ExpertProvider};
 use edgemoe::quant::{dequantize_scalar, quantize, QuantBits};
 use edgemoe::weights::WeightFiles;
 use serde::Deserialize;
-
-const TOLERANCE: f32 = 1e-4;
 
 #[derive(Deserialize)]
 struct Golden {
@@ -68,19 +68,6 @@ fn convert_fixture(hf: &Path, dir: &Path, bits: BitPlan) -> PathBuf {
     })
     .unwrap_or_else(|e| panic!("converting {}: {e}", hf.display()));
     out
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let worst = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
-        .fold(0.0f32, f32::max);
-    assert!(
-        worst <= TOLERANCE,
-        "{what}: max relative difference {worst} > {TOLERANCE}"
-    );
 }
 
 fn greedy_options(golden: &Golden) -> CompletionOptions {

@@ -5,14 +5,14 @@
 
 mod common;
 
+use common::assert_close;
+
 use edgemoe::bundle::Bundle;
 use edgemoe::config::{EarlyStopping, Stack};
 use edgemoe::generate::{generate, DecodeOptions};
 use edgemoe::model::LayerRoute;
 use edgemoe::provider::{ExpertBuffer, ExpertProvider};
 use serde::Deserialize;
-
-const TOLERANCE: f32 = 1e-4;
 
 #[derive(Deserialize)]
 struct Golden {
@@ -51,19 +51,6 @@ struct Case {
     step_logits: Vec<Vec<f32>>,
     greedy: Vec<i64>,
     beam: Vec<i64>,
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let worst = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
-        .fold(0.0f32, f32::max);
-    assert!(
-        worst <= TOLERANCE,
-        "{what}: max relative difference {worst} > {TOLERANCE}"
-    );
 }
 
 fn check_fixture(name: &str) {

@@ -47,3 +47,21 @@ pub fn convert_to(hf: &Path, dir: &Path) -> PathBuf {
 pub fn edgemoe() -> std::process::Command {
     std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
 }
+
+/// Tolerance of the golden comparisons against transformers (relative, with 1 added to the
+/// reference so values near zero compare absolutely).
+pub const TOLERANCE: f32 = 1e-4;
+
+/// Asserts `got` matches `want` element-wise within [`TOLERANCE`].
+pub fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= TOLERANCE,
+        "{what}: max relative difference {worst} > {TOLERANCE}"
+    );
+}
