@@ -325,10 +325,13 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
     }
 
     std::fs::create_dir_all(&options.out_dir).map_err(|e| Error::io(&options.out_dir, e))?;
-    // A bundle is valid only once config.json is written (last), so remove a stale one first.
+    // A bundle is valid only once config.json is written (last), so remove a stale one first;
+    // a path dictionary calibrated on what was there before does not describe the new weights.
     let config_out = options.out_dir.join(CONFIG_FILE);
-    if config_out.exists() {
-        std::fs::remove_file(&config_out).map_err(|e| Error::io(&config_out, e))?;
+    for stale in [config_out.clone(), options.out_dir.join(crate::paths::PATHS_FILE)] {
+        if stale.exists() {
+            std::fs::remove_file(&stale).map_err(|e| Error::io(&stale, e))?;
+        }
     }
 
     let progress = if options.show_progress {
