@@ -328,7 +328,10 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
     // A bundle is valid only once config.json is written (last), so remove a stale one first;
     // a path dictionary calibrated on what was there before does not describe the new weights.
     let config_out = options.out_dir.join(CONFIG_FILE);
-    for stale in [config_out.clone(), options.out_dir.join(crate::paths::PATHS_FILE)] {
+    for stale in [
+        config_out.clone(),
+        options.out_dir.join(crate::paths::PATHS_FILE),
+    ] {
         if stale.exists() {
             std::fs::remove_file(&stale).map_err(|e| Error::io(&stale, e))?;
         }
