@@ -214,7 +214,7 @@ pub fn plot_latency_bars(rows: &[BenchRow], title: &str, path: &Path) -> Result<
         .x_label_style(
             ("sans-serif", 11)
                 .into_font()
-                .transform(FontTransform::Rotate90),
+                .transform(FontTransform::Rotate270),
         )
         .draw()
         .map_err(|e| chart_error(path, e))?;
@@ -229,7 +229,10 @@ pub fn plot_latency_bars(rows: &[BenchRow], title: &str, path: &Path) -> Result<
             Rectangle::new([(i, 0.0), (i + 1, r.decode_ms_per_token)], color.filled())
         }))
         .map_err(|e| chart_error(path, e))?;
-    root.present().map_err(|e| chart_error(path, e))
+    root.present().map_err(|e| chart_error(path, e))?;
+    drop(root);
+    crate::plot::png_beside(path)?;
+    Ok(())
 }
 
 /// Latency against budget, one line per mode (EdgeMoE Fig. 14).
@@ -290,7 +293,10 @@ pub fn plot_latency_vs_budget(rows: &[BenchRow], title: &str, path: &Path) -> Re
         .border_style(BLACK)
         .draw()
         .map_err(|e| chart_error(path, e))?;
-    root.present().map_err(|e| chart_error(path, e))
+    root.present().map_err(|e| chart_error(path, e))?;
+    drop(root);
+    crate::plot::png_beside(path)?;
+    Ok(())
 }
 
 /// Cumulative distribution of per-sample latency per mode (EdgeMoE Fig. 12), at the first
@@ -346,5 +352,8 @@ pub fn plot_sample_cdf(rows: &[BenchRow], title: &str, path: &Path) -> Result<()
         .position(SeriesLabelPosition::LowerRight)
         .draw()
         .map_err(|e| chart_error(path, e))?;
-    root.present().map_err(|e| chart_error(path, e))
+    root.present().map_err(|e| chart_error(path, e))?;
+    drop(root);
+    crate::plot::png_beside(path)?;
+    Ok(())
 }

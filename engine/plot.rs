@@ -1,15 +1,40 @@
 //! Charts written as SVG with plotters (no font files needed: SVG text is rendered by the
-//! viewer).
+//! viewer), each also rasterized into a PNG beside it with resvg (text drawn with the system's
+//! fonts, left out where none is installed).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use plotters::prelude::*;
+use std::path::PathBuf;
 
 use crate::cache::replay::ReplayResult;
 use crate::config::Stack;
 use crate::error::{Error, Result};
 use crate::expert_store::ExpertId;
+
+/// Rasterizes the SVG chart `svg` into `svg` with a `.png` extension.
+pub fn png_beside(svg: &Path) -> Result<PathBuf> {
+    let png = svg.with_extension("png");
+    let text = std::fs::read_to_string(svg).map_err(|e| Error::io(svg, e))?;
+    let mut options = resvg::usvg::Options::default();
+    options.fontdb_mut().load_system_fonts();
+    options.fontdb_mut().set_sans_serif_family("DejaVu Sans");
+    let tree = resvg::usvg::Tree::from_str(&text, &options)
+        .map_err(|e| Error::format(svg, format!("cannot read the chart back: {e}")))?;
+    let size = tree.size().to_int_size();
+    let mut pixmap = resvg::tiny_skia::Pixmap::new(size.width(), size.height())
+        .ok_or_else(|| Error::format(svg, "empty chart"))?;
+    resvg::render(
+        &tree,
+        resvg::tiny_skia::Transform::default(),
+        &mut pixmap.as_mut(),
+    );
+    pixmap
+        .save_png(&png)
+        .map_err(|e| Error::format(&png, format!("cannot write the PNG: {e}")))?;
+    Ok(png)
+}
 
 /// Hit ratio against buffer size, one line per policy (EdgeMoE Figure 13); Belady, the offline
 /// optimum, is drawn as the dashed upper line.
@@ -68,6 +93,8 @@ pub fn hit_ratio_vs_slots(results: &[ReplayResult], title: &str, path: &Path) ->
         .draw()
         .map_err(|e| plot_error(e.to_string()))?;
     root.present().map_err(|e| plot_error(e.to_string()))?;
+    drop(root);
+    png_beside(path)?;
     Ok(())
 }
 
@@ -141,5 +168,7 @@ pub fn importance_heatmap(
         .map_err(|e| plot_error(e.to_string()))?;
     }
     root.present().map_err(|e| plot_error(e.to_string()))?;
+    drop(root);
+    png_beside(path)?;
     Ok(())
 }

@@ -699,8 +699,11 @@ fn bench_smoke_two_modes_with_emulated_storage() {
     assert!(rows[0]["bytes_read_per_token"].as_f64().unwrap() > 0.0);
     for plot in [
         "latency.svg",
+        "latency.png",
         "latency-vs-budget.svg",
+        "latency-vs-budget.png",
         "sample-cdf.svg",
+        "sample-cdf.png",
         "results.md",
     ] {
         assert!(out.join(plot).exists(), "{plot}");
