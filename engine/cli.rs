@@ -273,6 +273,15 @@ struct SummarizeArgs {
     /// Forbid repeating n-grams of this size (default: the model's generation config).
     #[arg(long, value_name = "N")]
     no_repeat_ngram_size: Option<usize>,
+    #[command(flatten)]
+    output: OutputArgs,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+/// What a run prints and writes besides its text.
+#[derive(Args, Debug)]
+struct OutputArgs {
     /// Write run statistics as JSON to this file.
     #[arg(long, value_name = "FILE")]
     stats_json: Option<PathBuf>,
@@ -282,8 +291,6 @@ struct SummarizeArgs {
     /// Do not print the statistics line on standard error.
     #[arg(long, short)]
     quiet: bool,
-    #[command(flatten)]
-    cache: CacheArgs,
 }
 
 #[derive(Args, Debug)]
@@ -315,15 +322,8 @@ struct GenerateArgs {
     /// Seed of the sampler (the same seed, prompt and model give the same tokens).
     #[arg(long, value_name = "S", default_value_t = 0)]
     seed: u64,
-    /// Write run statistics as JSON to this file.
-    #[arg(long, value_name = "FILE")]
-    stats_json: Option<PathBuf>,
-    /// Print the generated token ids instead of the text.
-    #[arg(long)]
-    ids: bool,
-    /// Do not print the statistics line on standard error.
-    #[arg(long, short)]
-    quiet: bool,
+    #[command(flatten)]
+    output: OutputArgs,
     #[command(flatten)]
     cache: CacheArgs,
 }
@@ -658,7 +658,7 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
     for document in &documents {
         let (summary, generation, source_tokens) = summarizer.summarize(document)?;
         let mut out = stdout.lock();
-        if args.ids {
+        if args.output.ids {
             let ids: Vec<String> = generation.tokens.iter().map(|t| t.to_string()).collect();
             writeln!(out, "{}", ids.join(" "))?;
         } else {
@@ -675,10 +675,10 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
         &summarizer.options.cache,
     );
     stats.profile = settings.profile.map(|p| p.name);
-    if !args.quiet {
+    if !args.output.quiet {
         eprintln!("{}", stats.summary_line());
     }
-    if let Some(path) = &args.stats_json {
+    if let Some(path) = &args.output.stats_json {
         write_json(path, &stats)?;
     }
     Ok(())
@@ -734,7 +734,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut stream = TextStream::default();
     let mut first = true;
-    let ids = args.ids;
+    let ids = args.output.ids;
     let generated = {
         let TextGenerator {
             model,
@@ -778,10 +778,10 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         &generator.plan,
         &generator.options.cache,
     );
-    if !args.quiet {
+    if !args.output.quiet {
         eprintln!("{}", stats.summary_line());
     }
-    if let Some(path) = &args.stats_json {
+    if let Some(path) = &args.output.stats_json {
         let json = serde_json::to_string_pretty(&stats)?;
         std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))?;
     }
