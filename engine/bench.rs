@@ -175,6 +175,11 @@ pub fn markdown(rows: &[BenchRow]) -> String {
     out
 }
 
+/// One colour per mode, the same in every chart.
+fn mode_color(mode: &str) -> PaletteColor<Palette99> {
+    Palette99::pick(Mode::ALL.iter().position(|m| m.name() == mode).unwrap_or(0))
+}
+
 fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
     Error::format(path, format!("cannot draw the chart: {e}"))
 }
@@ -220,12 +225,7 @@ pub fn plot_latency_bars(rows: &[BenchRow], title: &str, path: &Path) -> Result<
         .map_err(|e| chart_error(path, e))?;
     chart
         .draw_series(rows.iter().enumerate().map(|(i, r)| {
-            let color = Palette99::pick(
-                Mode::ALL
-                    .iter()
-                    .position(|m| m.name() == r.mode)
-                    .unwrap_or(0),
-            );
+            let color = mode_color(&r.mode);
             Rectangle::new([(i, 0.0), (i + 1, r.decode_ms_per_token)], color.filled())
         }))
         .map_err(|e| chart_error(path, e))?;
@@ -267,7 +267,7 @@ pub fn plot_latency_vs_budget(rows: &[BenchRow], title: &str, path: &Path) -> Re
         .y_desc("decode ms per token")
         .draw()
         .map_err(|e| chart_error(path, e))?;
-    for (i, mode) in Mode::ALL.iter().enumerate() {
+    for mode in Mode::ALL.iter() {
         let mut points: Vec<(f64, f64)> = rows
             .iter()
             .filter(|r| r.mode == mode.name())
@@ -277,7 +277,7 @@ pub fn plot_latency_vs_budget(rows: &[BenchRow], title: &str, path: &Path) -> Re
             continue;
         }
         points.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let color = Palette99::pick(i).stroke_width(2);
+        let color = mode_color(mode.name()).stroke_width(2);
         chart
             .draw_series(LineSeries::new(points.clone(), color))
             .map_err(|e| chart_error(path, e))?
@@ -334,11 +334,7 @@ pub fn plot_sample_cdf(rows: &[BenchRow], title: &str, path: &Path) -> Result<()
             .enumerate()
             .map(|(i, &ms)| (ms, (i + 1) as f64 / n))
             .collect();
-        let i = Mode::ALL
-            .iter()
-            .position(|m| m.name() == r.mode)
-            .unwrap_or(0);
-        let color = Palette99::pick(i).stroke_width(2);
+        let color = mode_color(&r.mode).stroke_width(2);
         chart
             .draw_series(LineSeries::new(points, color))
             .map_err(|e| chart_error(path, e))?
