@@ -7,11 +7,12 @@ use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use edgemoe::bundle::Bundle;
-use edgemoe::convert::{convert, ConvertOptions};
-use edgemoe::expert_store::{ExpertStore, StorageMode};
 use edgemoe::model::moe::expert_forward;
-use edgemoe::provider::{AlignedBuf, ExpertProvider};
-use edgemoe::resident_experts::ResidentExperts;
+use edgemoe::model::provider::ExpertProvider;
+use edgemoe::offline::convert::{convert, ConvertOptions};
+use edgemoe::runtime::resident::ResidentExperts;
+use edgemoe::store::AlignedBuf;
+use edgemoe::store::{ExpertStore, StorageMode};
 use tch::{Kind, Tensor};
 
 fn demo_bundle() -> (tempfile::TempDir, PathBuf) {
@@ -75,7 +76,7 @@ fn kernels(c: &mut Criterion) {
     });
     let (direct, _) = ExpertStore::open_with(
         &bundle.path(edgemoe::bundle::EXPERTS_FILE),
-        &spec,
+        &spec.expert_layout(),
         StorageMode::Direct,
     )
     .unwrap();

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use crate::config::BundleConfig;
 use crate::error::{Error, Result};
-use crate::expert_store::ExpertStore;
 use crate::model::{DecoderOnlyModel, SwitchModel};
+use crate::store::ExpertStore;
 use crate::tokenizer::Tokenizer;
 use crate::weights::WeightFiles;
 
@@ -96,7 +96,7 @@ impl Bundle {
     }
 
     pub fn open_store(&self) -> Result<ExpertStore> {
-        ExpertStore::open(&self.path(EXPERTS_FILE), &self.config.model)
+        ExpertStore::open(&self.path(EXPERTS_FILE), &self.config.model.expert_layout())
     }
 
     pub fn tokenizer(&self) -> Result<Tokenizer> {

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::expert_store::ExpertId;
+use crate::ids::ExpertId;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -40,11 +40,11 @@ pub enum Error {
     },
 
     #[error("memory budget {budget} is too small: resident weights take {resident}, working memory {working}, {slots} expert slot(s) {slot} each; the minimum budget is {minimum} ({minimum_bytes} bytes)",
-        budget = crate::budget::format_bytes(*budget_bytes),
-        resident = crate::budget::format_bytes(*resident_bytes),
-        working = crate::budget::format_bytes(*working_bytes),
-        slot = crate::budget::format_bytes(*slot_bytes),
-        minimum = crate::budget::format_bytes(*minimum_bytes))]
+        budget = crate::units::format_bytes(*budget_bytes),
+        resident = crate::units::format_bytes(*resident_bytes),
+        working = crate::units::format_bytes(*working_bytes),
+        slot = crate::units::format_bytes(*slot_bytes),
+        minimum = crate::units::format_bytes(*minimum_bytes))]
     BudgetTooSmall {
         budget_bytes: u64,
         resident_bytes: u64,

@@ -2,55 +2,52 @@
 //!
 //! Non-expert weights stay resident; experts live in an on-disk expert store and are brought
 //! into a fixed expert buffer sized from a memory budget. The model reaches experts only through
-//! the [`provider::ExpertProvider`] interface, so buffers, policies and baselines are
+//! the [`model::provider::ExpertProvider`] interface, so buffers, policies and baselines are
 //! interchangeable behind it.
 //!
-//! Module map (mirrors `ARCHITECTURE.md`):
-//! - [`config`]: Hugging Face config → validated [`config::ModelSpec`]; generation defaults.
-//! - [`decoder_config`]: the decoder-only MoE families (Mixtral, Qwen2-MoE, OLMoE).
-//! - [`budget`]: memory budget parsing and accounting.
-//! - [`weights`]: the one memory-mapping site; safetensors checkpoints and resident weights.
-//! - [`expert_store`]: the on-disk expert store format (header, index, page-aligned blobs).
-//! - [`convert`]: Hugging Face checkpoint → model bundle.
-//! - [`bundle`]: opening a model bundle.
-//! - [`provider`]: the expert provider interface and the fixed LRU expert buffer behind it.
-//! - [`model`]: Switch Transformers and decoder-only (Mixtral, Qwen2-MoE, OLMoE) forward passes
-//!   over shared blocks and one MoE feed-forward.
-//! - [`generate`]: greedy decoding and beam search (encoder-decoder).
-//! - [`causal`]: prompt prefill and streamed greedy or top-p generation (decoder-only).
-//! - [`runtime`]: the expert store, budget split and expert buffer every run sets up.
-//! - [`tokenizer`], [`summarize`], [`stats`]: the user-facing run.
+//! Crate map, in layers (`ARCHITECTURE.md` for the design, `LAYOUT.md` for the rules). An import
+//! only points down a layer or sideways to a sibling without closing a cycle; `tests/layers.rs`
+//! checks it.
+//!
+//! - L0, leaves: [`error`] (the one error type), [`ids`] (`Stack`, `ExpertId`), [`units`]
+//!   (`1.5GiB` ↔ bytes), [`io`] (JSON files, page-cache dropping).
+//! - L1, facts and formats: [`config`] (HF configs → validated `ModelSpec`, generation defaults,
+//!   bundle config, device profiles), [`weights`] (safetensors, the one memory-mapping site),
+//!   [`quant`] (INT8/4/2 and their kernels), [`store`] (the expert store's bytes), [`cache`]
+//!   (slot bookkeeping, eviction policies, traces and replay), [`dictionary`] (the activation-path
+//!   dictionary).
+//! - L2, [`model`]: the architectures (Switch Transformers; Mixtral, Qwen2-MoE, OLMoE) over shared
+//!   layers and one MoE feed-forward, the `Model` enum, and the expert-provider interface.
+//! - L3, the online expert side and opening a bundle: [`runtime`] (expert buffer, prediction,
+//!   prefetch thread, codec, modes, resident experts, stats, budget, run setup), [`bundle`],
+//!   [`tokenizer`].
+//! - L4, [`generation`]: one session type for every architecture — open, summarize or generate,
+//!   report.
+//! - L5, once-per-model work and measurement: [`offline`] (convert, calibrate, tune bit widths,
+//!   eval, ROUGE), [`bench`] (the modes × budgets matrix, charts, storage probe).
+//! - L6, the binary: `engine/cli/` (one file per command), compiled into `edgemoe` only.
+
+pub mod error;
+pub mod ids;
+pub mod io;
+pub mod units;
+
+pub mod cache;
+pub mod config;
+pub mod dictionary;
+pub mod quant;
+pub mod store;
+pub mod weights;
+
+pub mod model;
+
+pub mod bundle;
+pub mod runtime;
+pub mod tokenizer;
+
+pub mod generation;
 
 pub mod bench;
-pub mod bit_plan;
-pub mod budget;
-pub mod bundle;
-pub mod cache;
-pub mod calibrate;
-pub mod causal;
-pub mod config;
-pub mod convert;
-pub mod decoder_config;
-pub mod error;
-pub mod eval;
-pub mod expert_store;
-pub mod generate;
-pub mod model;
-pub mod modes;
-pub mod paths;
-pub mod plot;
-pub mod prefetch;
-pub mod probe;
-pub mod profile;
-pub mod provider;
-pub mod quant;
-pub mod resident_experts;
-pub mod rouge;
-pub mod runtime;
-pub mod stats;
-pub mod summarize;
-pub mod tokenizer;
-pub mod tune;
-pub mod weights;
+pub mod offline;
 
 pub use error::{Error, Result};

@@ -66,6 +66,48 @@ impl WeightDtype {
     }
 }
 
+/// A whole file mapped read-only: the `mmap` baseline maps the expert store with it and asks
+/// which pages a touch would fault in.
+pub struct MappedBytes {
+    map: Mmap,
+}
+
+const PAGE: usize = 4096;
+
+impl MappedBytes {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only map of a file the engine does not modify while it runs (the same
+        // contract as the safetensors loader below).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        Ok(MappedBytes { map })
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// Bytes of `start..start + len` whose pages are not in memory (the page-ins a touch
+    /// will cause), by `mincore`; 0 where the kernel does not answer.
+    pub fn missing_bytes(&self, start: usize, len: usize) -> u64 {
+        let first = start / PAGE * PAGE;
+        let pages = (start + len - first).div_ceil(PAGE);
+        let mut resident = vec![0u8; pages];
+        // SAFETY: the range lies inside the live mapping; `resident` has one byte per page.
+        let rc = unsafe {
+            libc::mincore(
+                self.map.as_ptr().add(first) as *mut libc::c_void,
+                pages * PAGE,
+                resident.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return 0;
+        }
+        resident.iter().filter(|&&r| r & 1 == 0).count() as u64 * PAGE as u64
+    }
+}
+
 /// One memory-mapped safetensors file and its parsed header.
 struct MappedFile {
     path: PathBuf,
@@ -151,7 +193,7 @@ impl WeightFiles {
         struct ShardIndex {
             weight_map: BTreeMap<String, String>,
         }
-        let index: ShardIndex = crate::config::read_json(&index_path)?;
+        let index: ShardIndex = crate::io::read_json(&index_path)?;
         let mut shard_names: Vec<&String> = index.weight_map.values().collect();
         shard_names.sort();
         shard_names.dedup();

@@ -12,12 +12,11 @@ use edgemoe::bundle::Bundle;
 use edgemoe::cache::replay::replay;
 use edgemoe::cache::trace::read_trace;
 use edgemoe::cache::Policy;
-use edgemoe::calibrate::{build_dictionary, collect_paths};
-use edgemoe::config::Stack;
-use edgemoe::generate::DecodeOptions;
-use edgemoe::paths::PATHS_FILE;
-use edgemoe::provider::ExpertProvider;
-use edgemoe::summarize::{parse_documents, CacheOptions, RunOptions, Summarizer};
+use edgemoe::dictionary::PATHS_FILE;
+use edgemoe::generation::seq2seq::DecodeOptions;
+use edgemoe::generation::session::{parse_documents, CacheOptions, RunOptions, Summarizer};
+use edgemoe::ids::Stack;
+use edgemoe::offline::calibrate::{build_dictionary, collect_paths};
 
 /// The demo model converted and calibrated on 20 SAMSum train dialogues, shared by the tests.
 fn calibrated_bundle() -> &'static Path {

@@ -8,8 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 
 use edgemoe::bundle::EXPERTS_FILE;
-use edgemoe::config::{ModelSpec, Stack};
-use edgemoe::expert_store::{ExpertId, ExpertStore};
+use edgemoe::config::ModelSpec;
+use edgemoe::ids::ExpertId;
+use edgemoe::ids::Stack;
+use edgemoe::store::ExpertStore;
 use edgemoe::Error;
 
 fn run(args: &[&str], stdin: Option<&str>) -> Output {
@@ -287,7 +289,8 @@ fn spec_of(bundle: &Path) -> ModelSpec {
 }
 
 fn flip_byte_of(bundle: &Path, id: ExpertId) {
-    let store = ExpertStore::open(&bundle.join(EXPERTS_FILE), &spec_of(bundle)).unwrap();
+    let store =
+        ExpertStore::open(&bundle.join(EXPERTS_FILE), &spec_of(bundle).expert_layout()).unwrap();
     let offset = store.entry(id).unwrap().offset + 1000;
     drop(store);
     let path = bundle.join(EXPERTS_FILE);
@@ -308,7 +311,7 @@ fn flipped_byte_is_reported_naming_the_expert_when_read() {
     };
     flip_byte_of(&bundle, victim);
     // Opening still works (checksums are verified on read); other experts read fine.
-    let store = ExpertStore::open(&bundle.join(EXPERTS_FILE), &spec).unwrap();
+    let store = ExpertStore::open(&bundle.join(EXPERTS_FILE), &spec.expert_layout()).unwrap();
     let mut slot = vec![0u8; store.max_padded_expert_bytes() as usize];
     store
         .read_expert(

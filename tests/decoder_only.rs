@@ -13,18 +13,21 @@ use common::assert_close;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use edgemoe::bit_plan::BitPlan;
 use edgemoe::bundle::{Bundle, EXPERTS_FILE};
 use edgemoe::cache::Policy;
-use edgemoe::calibrate::{build_dictionary, paths_of};
-use edgemoe::causal::{complete, CompletionOptions, Sampling};
-use edgemoe::config::Stack;
-use edgemoe::convert::{convert, ConvertOptions};
-use edgemoe::expert_store::{ExpertEncoding, ExpertId};
+use edgemoe::dictionary::PathDictionary;
+use edgemoe::generation::causal::{complete, CompletionOptions};
+use edgemoe::generation::sampling::Sampling;
+use edgemoe::ids::ExpertId;
+use edgemoe::ids::Stack;
 use edgemoe::model::decoder_only::{expert_tensor_name, fused_expert_names};
-use edgemoe::paths::PathDictionary;
-use edgemoe::provider::{BufferOptions, ExpertBuffer, ExpertProvider};
+use edgemoe::model::provider::ExpertProvider;
+use edgemoe::offline::bit_plan::BitPlan;
+use edgemoe::offline::calibrate::{build_dictionary, paths_of};
+use edgemoe::offline::convert::{convert, ConvertOptions};
 use edgemoe::quant::{dequantize_scalar, quantize, QuantBits};
+use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
+use edgemoe::store::ExpertEncoding;
 use edgemoe::weights::WeightFiles;
 use serde::Deserialize;
 
@@ -282,7 +285,7 @@ fn fused_and_per_expert_layouts_give_the_same_store() {
 fn quantized_swiglu_experts_decode_exactly_and_run() {
     let hf = common::fixture("tiny-qwen2-moe");
     let files = WeightFiles::open_hf_dir(&hf).unwrap();
-    let config = edgemoe::convert::read_hf_config(&hf).unwrap();
+    let config = edgemoe::offline::convert::read_hf_config(&hf).unwrap();
     let family = config.model.as_decoder().unwrap().family;
     let ids = config.model.all_experts();
     let widths = [

@@ -8,10 +8,11 @@ mod common;
 use common::assert_close;
 
 use edgemoe::bundle::Bundle;
-use edgemoe::config::{EarlyStopping, Stack};
-use edgemoe::generate::{generate, DecodeOptions};
+use edgemoe::config::EarlyStopping;
+use edgemoe::generation::seq2seq::{generate, DecodeOptions};
+use edgemoe::ids::Stack;
 use edgemoe::model::LayerRoute;
-use edgemoe::provider::{ExpertBuffer, ExpertProvider};
+use edgemoe::runtime::buffer::ExpertBuffer;
 use serde::Deserialize;
 
 #[derive(Deserialize)]

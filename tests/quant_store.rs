@@ -4,15 +4,17 @@
 
 mod common;
 
-use edgemoe::bit_plan::BitPlan;
 use edgemoe::bundle::Bundle;
-use edgemoe::config::Stack;
-use edgemoe::convert::{convert, ConvertOptions};
-use edgemoe::expert_store::{ExpertEncoding, ExpertId};
-use edgemoe::generate::{generate, DecodeOptions};
+use edgemoe::generation::seq2seq::{generate, DecodeOptions};
+use edgemoe::ids::ExpertId;
+use edgemoe::ids::Stack;
+use edgemoe::model::provider::ExpertProvider;
 use edgemoe::model::switch::expert_tensor_name;
-use edgemoe::provider::{ExpertBuffer, ExpertProvider};
+use edgemoe::offline::bit_plan::BitPlan;
+use edgemoe::offline::convert::{convert, ConvertOptions};
 use edgemoe::quant::{dequantize_scalar, quantize, QuantBits};
+use edgemoe::runtime::buffer::ExpertBuffer;
+use edgemoe::store::ExpertEncoding;
 use edgemoe::weights::WeightFiles;
 
 #[test]
@@ -21,7 +23,7 @@ fn mixed_width_store_decodes_exactly_and_runs() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("mixed");
     let files = WeightFiles::open_hf_dir(&hf).unwrap();
-    let config = edgemoe::convert::read_hf_config(&hf).unwrap();
+    let config = edgemoe::offline::convert::read_hf_config(&hf).unwrap();
     let ids = config.model.all_experts();
     let widths = [
         ExpertEncoding::Quant(QuantBits::Int8),

@@ -7,9 +7,8 @@
 mod common;
 
 use edgemoe::bundle::Bundle;
-use edgemoe::generate::DecodeOptions;
-use edgemoe::provider::ExpertProvider;
-use edgemoe::summarize::{parse_documents, CacheOptions, RunOptions, Summarizer};
+use edgemoe::generation::seq2seq::DecodeOptions;
+use edgemoe::generation::session::{parse_documents, CacheOptions, RunOptions, Summarizer};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 

@@ -19,8 +19,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ModelSpec, Stack};
-use crate::expert_store::ExpertId;
+use crate::ids::ExpertId;
+use crate::ids::Stack;
 
 /// Offline frequencies weigh as much as this many observed demand accesses of a layer.
 pub const SEED_WEIGHT: f64 = 100.0;
@@ -95,13 +95,6 @@ pub struct LayerMap {
 }
 
 impl LayerMap {
-    pub fn new(spec: &ModelSpec) -> Self {
-        LayerMap {
-            encoder_moe_blocks: spec.moe_blocks(Stack::Encoder),
-            decoder_moe_blocks: spec.moe_blocks(Stack::Decoder),
-        }
-    }
-
     pub fn blocks(&self, stack: Stack) -> &[usize] {
         match stack {
             Stack::Encoder => &self.encoder_moe_blocks,

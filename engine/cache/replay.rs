@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::policy::{Policy, PolicyState};
 use super::table::{AccessContext, Outcome, SlotTable};
 use super::trace::{AccessKind, TraceEvent, TraceHeader};
-use crate::expert_store::ExpertId;
+use crate::ids::ExpertId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct ReplayResult {
@@ -122,7 +122,7 @@ pub fn belady(events: &[TraceEvent], slots: usize) -> ReplayResult {
 mod tests {
     use super::*;
     use crate::cache::policy::LayerMap;
-    use crate::config::Stack;
+    use crate::ids::Stack;
 
     fn header() -> TraceHeader {
         TraceHeader {

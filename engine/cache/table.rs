@@ -1,11 +1,11 @@
 //! Which expert sits in which slot, and the policy's view of them. Pure bookkeeping (no bytes):
-//! the live [`ExpertBuffer`](crate::provider::ExpertBuffer) applies every access to a table and
+//! the live [`ExpertBuffer`](crate::runtime::buffer::ExpertBuffer) applies every access to a table and
 //! moves the bytes; trace replay applies the recorded accesses to a table of any size and policy.
 
 use std::collections::HashMap;
 
 use super::policy::{Candidate, PolicyState};
-use crate::expert_store::ExpertId;
+use crate::ids::ExpertId;
 
 /// The circumstances of one access.
 #[derive(Debug, Clone, Copy)]
@@ -168,7 +168,7 @@ impl SlotTable {
 mod tests {
     use super::*;
     use crate::cache::policy::{LayerMap, Policy};
-    use crate::config::Stack;
+    use crate::ids::Stack;
 
     fn dec(layer: u16, expert: u16) -> ExpertId {
         ExpertId {

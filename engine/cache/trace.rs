@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::policy::{LayerMap, Policy};
-use crate::config::Stack;
 use crate::error::{Error, Result};
-use crate::expert_store::ExpertId;
+use crate::ids::ExpertId;
+use crate::ids::Stack;
 
 pub const TRACE_VERSION: u32 = 1;
 

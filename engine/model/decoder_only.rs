@@ -22,10 +22,11 @@ use tch::{Kind, Tensor};
 
 use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, RmsNorm, Rotary};
 use super::moe::{moe_ffn, LayerRoute, Router, Routing};
-use crate::config::{DecoderFamily, DecoderSpec, Stack};
+use crate::config::{DecoderFamily, DecoderSpec};
 use crate::error::{Error, Result};
-use crate::expert_store::ExpertId;
-use crate::provider::ExpertProvider;
+use crate::ids::ExpertId;
+use crate::ids::Stack;
+use crate::model::provider::ExpertProvider;
 use crate::weights::WeightFiles;
 
 fn layer_prefix(layer: usize) -> String {

@@ -17,10 +17,10 @@
 use tch::{Kind, Tensor};
 
 use super::layers::{dense_act_dense, gated_mlp};
-use crate::config::Stack;
 use crate::error::Result;
-use crate::expert_store::ExpertId;
-use crate::provider::{ExpertProvider, ExpertWeights};
+use crate::ids::ExpertId;
+use crate::ids::Stack;
+use crate::model::provider::{ExpertProvider, ExpertWeights};
 
 /// A block's router: `[num_experts, d_model]` (+ optional bias).
 pub struct Router {

@@ -8,10 +8,11 @@ use tch::{Device, Tensor};
 
 use super::layers::{dense_act_dense, Attention, RmsNorm};
 use super::moe::{moe_ffn, LayerRoute, Router, Routing};
-use crate::config::{Stack, SwitchSpec};
+use crate::config::SwitchSpec;
 use crate::error::{Error, Result};
-use crate::expert_store::ExpertId;
-use crate::provider::ExpertProvider;
+use crate::ids::ExpertId;
+use crate::ids::Stack;
+use crate::model::provider::ExpertProvider;
 use crate::weights::WeightFiles;
 
 /// HF name of a block's FF sub-layer prefix, e.g. `decoder.block.3.layer.2`.

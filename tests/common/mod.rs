@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use edgemoe::convert::{convert, ConvertOptions};
+use edgemoe::offline::convert::{convert, ConvertOptions};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -1,0 +1,6 @@
+//! Measurement: the modes × budgets matrix run in child processes ([`matrix`]), its charts
+//! ([`charts`]), and the storage probe that writes a board's profile ([`probe`]).
+
+pub mod charts;
+pub mod matrix;
+pub mod probe;

@@ -1,0 +1,152 @@
+//! `probe-storage`: measure read throughput against read size and reads in flight, bypassing
+//! the page cache, so a user can write a device profile for their own board (as in LLM in a
+//! flash, Figure 2b: large reads and several in flight reach the sequential bandwidth).
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::store::AlignedBuf;
+
+pub const READ_SIZES: [u64; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
+pub const IN_FLIGHT: [usize; 5] = [1, 2, 4, 8, 16];
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeResult {
+    pub read_bytes: u64,
+    pub in_flight: usize,
+    pub bytes_per_s: f64,
+    pub reads_per_s: f64,
+    /// Mean time of one read.
+    pub latency_us: f64,
+}
+
+/// A test file: `path` itself if it is a file, else a new file of `size` bytes in the directory
+/// (removed when dropped).
+pub struct ProbeFile {
+    pub path: PathBuf,
+    pub size: u64,
+    created: bool,
+}
+
+impl ProbeFile {
+    pub fn prepare(path: &Path, size: u64) -> Result<Self> {
+        if path.is_file() {
+            let size = std::fs::metadata(path)
+                .map_err(|e| Error::io(path, e))?
+                .len();
+            if size < 8 << 20 {
+                return Err(Error::Input(format!(
+                    "{}: {size} bytes is too small to probe (need at least 8 MiB)",
+                    path.display()
+                )));
+            }
+            return Ok(ProbeFile {
+                path: path.to_path_buf(),
+                size,
+                created: false,
+            });
+        }
+        if !path.is_dir() {
+            return Err(Error::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+            ));
+        }
+        let file_path = path.join(format!("edgemoe-probe-{}.bin", std::process::id()));
+        let mut file = File::create(&file_path).map_err(|e| Error::io(&file_path, e))?;
+        let mut chunk = vec![0u8; 1 << 20];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for b in chunk.iter_mut() {
+            state ^= state << 7;
+            state ^= state >> 9;
+            *b = state as u8;
+        }
+        let mut written = 0;
+        while written < size {
+            file.write_all(&chunk)
+                .map_err(|e| Error::io(&file_path, e))?;
+            written += chunk.len() as u64;
+        }
+        file.sync_all().map_err(|e| Error::io(&file_path, e))?;
+        Ok(ProbeFile {
+            path: file_path,
+            size: written,
+            created: true,
+        })
+    }
+}
+
+impl Drop for ProbeFile {
+    fn drop(&mut self) {
+        if self.created {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Random aligned reads of `read_bytes` with `in_flight` threads for `duration`.
+pub fn measure(
+    file: &ProbeFile,
+    read_bytes: u64,
+    in_flight: usize,
+    duration: Duration,
+) -> Result<ProbeResult> {
+    let (direct, warning) = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&file.path)
+    {
+        Ok(f) => (f, false),
+        Err(_) => (
+            File::open(&file.path).map_err(|e| Error::io(&file.path, e))?,
+            true,
+        ),
+    };
+    let _ = warning;
+    let direct = Arc::new(direct);
+    let reads = Arc::new(AtomicU64::new(0));
+    let busy_ns = Arc::new(AtomicU64::new(0));
+    let blocks = (file.size / read_bytes).max(1);
+    let started = Instant::now();
+    let mut threads = Vec::new();
+    for t in 0..in_flight {
+        let (direct, reads, busy_ns) = (direct.clone(), reads.clone(), busy_ns.clone());
+        threads.push(std::thread::spawn(move || -> std::io::Result<()> {
+            let mut buf = AlignedBuf::new(read_bytes as usize);
+            let mut state = 0x2545_f491_4f6c_dd1du64 ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9);
+            while started.elapsed() < duration {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let offset = (state % blocks) * read_bytes;
+                let t0 = Instant::now();
+                direct.read_exact_at(buf.as_mut_slice(), offset)?;
+                busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                reads.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }));
+    }
+    for t in threads {
+        t.join()
+            .map_err(|_| Error::Input("a probe thread panicked".into()))?
+            .map_err(|e| Error::io(&file.path, e))?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let n = reads.load(Ordering::Relaxed);
+    Ok(ProbeResult {
+        read_bytes,
+        in_flight,
+        bytes_per_s: n as f64 * read_bytes as f64 / secs,
+        reads_per_s: n as f64 / secs,
+        latency_us: busy_ns.load(Ordering::Relaxed) as f64 / n.max(1) as f64 / 1e3,
+    })
+}

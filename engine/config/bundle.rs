@@ -1,0 +1,91 @@
+//! The bundle's own `config.json`: format version, architecture, [`ModelSpec`], generation
+//! defaults and source dtype.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::io::read_json;
+
+use super::decoder::{DecoderFamily, DecoderSpec};
+use super::generation::GenerationDefaults;
+use super::spec::ModelSpec;
+use super::switch::ARCHITECTURE_SWITCH;
+
+/// Version of the bundle layout (config, resident weights, expert store). Bumped whenever a
+/// bundle written by an older engine can no longer be read.
+pub const BUNDLE_FORMAT_VERSION: u32 = 1;
+
+/// The bundle's own `config.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BundleConfig {
+    pub format_version: u32,
+    pub architecture: String,
+    pub model: ModelSpec,
+    pub generation: GenerationDefaults,
+    /// dtype of the source checkpoint's weights (`f32`, `f16`, `bf16`).
+    pub source_dtype: String,
+}
+
+impl BundleConfig {
+    pub fn load(path: &Path) -> Result<Self> {
+        let value: serde_json::Value = read_json(path)?;
+        let version = value.get("format_version").and_then(|v| v.as_u64());
+        match version {
+            Some(v) if v == BUNDLE_FORMAT_VERSION as u64 => {}
+            Some(v) => {
+                return Err(Error::format(
+                    path,
+                    format!("bundle format version {v}, this engine reads version {BUNDLE_FORMAT_VERSION}; convert the model again"),
+                ))
+            }
+            None => {
+                return Err(Error::format(
+                    path,
+                    "no `format_version`: not an edgemoe bundle config (did you pass a Hugging Face directory? use `edgemoe convert`)",
+                ))
+            }
+        }
+        // Everything but `model`, whose form depends on `architecture`.
+        #[derive(Deserialize)]
+        struct Header {
+            format_version: u32,
+            architecture: String,
+            generation: GenerationDefaults,
+            source_dtype: String,
+        }
+        let invalid =
+            |e: serde_json::Error| Error::format(path, format!("invalid bundle config: {e}"));
+        let model = value.get("model").cloned().unwrap_or_default();
+        let header: Header = serde_json::from_value(value).map_err(invalid)?;
+        let model = if header.architecture == ARCHITECTURE_SWITCH {
+            ModelSpec::Switch(serde_json::from_value(model).map_err(invalid)?)
+        } else if DecoderFamily::from_model_type(&header.architecture).is_some() {
+            let spec: DecoderSpec = serde_json::from_value(model).map_err(invalid)?;
+            if spec.family.model_type() != header.architecture {
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "architecture `{}` but the model is `{}`",
+                        header.architecture,
+                        spec.family.model_type()
+                    ),
+                ));
+            }
+            ModelSpec::DecoderOnly(spec)
+        } else {
+            return Err(Error::Unsupported {
+                path: path.to_path_buf(),
+                message: format!("architecture `{}`", header.architecture),
+            });
+        };
+        Ok(BundleConfig {
+            format_version: header.format_version,
+            architecture: header.architecture,
+            model,
+            generation: header.generation,
+            source_dtype: header.source_dtype,
+        })
+    }
+}

@@ -1,0 +1,429 @@
+//! The activation-path dictionary (ARCHITECTURE.md §7): for every token of a calibration corpus,
+//! its path = the experts chosen at each MoE layer of a stack. With top-k routing a layer's
+//! experts are a *set* of k (the order of the router's weights does not matter for the keys).
+//! The dictionary maps (layer n, set at n−2, set at n−1) to, for each expert of layer n, the
+//! probability that it is among the token's experts there, with fallbacks (n, set at n−1) →
+//! layer n's marginal when a key was never seen. With top-1 routing sets are single experts and
+//! probabilities sum to 1. Encoder and decoder are kept apart. Stored in the bundle as
+//! `paths.bin`: magic, version, bincode.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ids::Stack;
+
+pub const PATHS_MAGIC: &[u8; 8] = b"EMOPATHS";
+/// Version 2: keys over expert sets (top-k).
+pub const PATHS_VERSION: u32 = 2;
+pub const PATHS_FILE: &str = "paths.bin";
+
+/// Counts of one stack's paths.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StackPaths {
+    pub num_layers: usize,
+    pub num_experts: usize,
+    /// Experts per token at each layer.
+    pub top_k: usize,
+    /// `[layer][expert]` activations (tokens whose set holds the expert).
+    pub marginal: Vec<Vec<u64>>,
+    /// (layer, set at layer−1) → counts over the layer's experts.
+    pub given_previous: HashMap<(u16, Vec<u16>), Vec<u64>>,
+    /// (layer, set at layer−2, set at layer−1) → counts over the layer's experts.
+    pub given_two: HashMap<(u16, Vec<u16>, Vec<u16>), Vec<u64>>,
+    /// Whole paths (each layer's set sorted) and how many tokens took each.
+    pub paths: HashMap<Vec<u16>, u64>,
+}
+
+/// Counts over a layer's experts → probability that each is among a token's `k` experts.
+fn normalise(counts: &[u64], k: usize) -> Vec<f64> {
+    let tokens = counts.iter().sum::<u64>() as f64 / k.max(1) as f64;
+    counts
+        .iter()
+        .map(|&c| {
+            if tokens == 0.0 {
+                0.0
+            } else {
+                c as f64 / tokens
+            }
+        })
+        .collect()
+}
+
+/// A layer's experts as a dictionary key: sorted.
+fn set(experts: &[u16]) -> Vec<u16> {
+    let mut s = experts.to_vec();
+    s.sort_unstable();
+    s
+}
+
+impl StackPaths {
+    pub fn new(num_layers: usize, num_experts: usize, top_k: usize) -> Self {
+        StackPaths {
+            num_layers,
+            num_experts,
+            top_k: top_k.max(1),
+            marginal: vec![vec![0; num_experts]; num_layers],
+            given_previous: HashMap::new(),
+            given_two: HashMap::new(),
+            paths: HashMap::new(),
+        }
+    }
+
+    /// The set of layer `n` in a flat path (`top_k` experts per layer).
+    fn layer_set(&self, path: &[u16], n: usize) -> Vec<u16> {
+        set(&path[n * self.top_k..(n + 1) * self.top_k])
+    }
+
+    /// Adds one token's path: `top_k` experts per MoE layer, layer after layer.
+    pub fn add_path(&mut self, path: &[u16]) {
+        let k = self.top_k;
+        if path.len() != self.num_layers * k || path.iter().any(|&e| e as usize >= self.num_experts)
+        {
+            return;
+        }
+        let e = self.num_experts;
+        for n in 0..self.num_layers {
+            let here = &path[n * k..(n + 1) * k];
+            for &expert in here {
+                self.marginal[n][expert as usize] += 1;
+            }
+            if n >= 1 {
+                let counts = self
+                    .given_previous
+                    .entry((n as u16, self.layer_set(path, n - 1)))
+                    .or_insert_with(|| vec![0; e]);
+                for &expert in here {
+                    counts[expert as usize] += 1;
+                }
+            }
+            if n >= 2 {
+                let key = (
+                    n as u16,
+                    self.layer_set(path, n - 2),
+                    self.layer_set(path, n - 1),
+                );
+                let counts = self.given_two.entry(key).or_insert_with(|| vec![0; e]);
+                for &expert in here {
+                    counts[expert as usize] += 1;
+                }
+            }
+        }
+        let whole: Vec<u16> = (0..self.num_layers)
+            .flat_map(|n| self.layer_set(path, n))
+            .collect();
+        *self.paths.entry(whole).or_insert(0) += 1;
+    }
+
+    pub fn tokens(&self) -> u64 {
+        self.paths.values().sum()
+    }
+
+    /// For each expert of layer `layer`, the probability that it is among the token's experts,
+    /// given the token's experts at earlier layers (`history`: `top_k` per layer, layer after
+    /// layer; only the last two layers are used).
+    pub fn predict(&self, layer: usize, history: &[u16]) -> Vec<f64> {
+        let n = layer as u16;
+        let known = history.len() >= layer * self.top_k;
+        if layer >= 2 && known {
+            let key = (
+                n,
+                self.layer_set(history, layer - 2),
+                self.layer_set(history, layer - 1),
+            );
+            if let Some(c) = self.given_two.get(&key) {
+                return normalise(c, self.top_k);
+            }
+        }
+        if layer >= 1 && known {
+            if let Some(c) = self
+                .given_previous
+                .get(&(n, self.layer_set(history, layer - 1)))
+            {
+                return normalise(c, self.top_k);
+            }
+        }
+        self.frequencies(layer)
+    }
+
+    /// Activation frequency of each expert of `layer` (probability of being among a token's
+    /// experts).
+    pub fn frequencies(&self, layer: usize) -> Vec<f64> {
+        self.marginal
+            .get(layer)
+            .map(|c| normalise(c, self.top_k))
+            .unwrap_or_else(|| vec![0.0; self.num_experts])
+    }
+
+    /// Share of tokens whose path is among the `fraction` most frequent distinct paths.
+    pub fn top_path_coverage(&self, fraction: f64) -> f64 {
+        let mut counts: Vec<u64> = self.paths.values().copied().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        let keep = ((counts.len() as f64 * fraction).ceil() as usize).min(counts.len());
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return 0.0;
+        }
+        counts[..keep].iter().sum::<u64>() as f64 / total as f64
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PathDictionary {
+    pub encoder: StackPaths,
+    pub decoder: StackPaths,
+}
+
+impl PathDictionary {
+    pub fn new(
+        encoder_layers: usize,
+        decoder_layers: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> Self {
+        PathDictionary {
+            encoder: StackPaths::new(encoder_layers, num_experts, top_k),
+            decoder: StackPaths::new(decoder_layers, num_experts, top_k),
+        }
+    }
+
+    pub fn stack(&self, stack: Stack) -> &StackPaths {
+        match stack {
+            Stack::Encoder => &self.encoder,
+            Stack::Decoder => &self.decoder,
+        }
+    }
+
+    pub fn stack_mut(&mut self, stack: Stack) -> &mut StackPaths {
+        match stack {
+            Stack::Encoder => &mut self.encoder,
+            Stack::Decoder => &mut self.decoder,
+        }
+    }
+
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let body = bincode::serialize(self)
+            .map_err(|e| Error::format(path, format!("cannot encode: {e}")))?;
+        let mut bytes = Vec::with_capacity(body.len() + 12);
+        bytes.extend_from_slice(PATHS_MAGIC);
+        bytes.extend_from_slice(&PATHS_VERSION.to_le_bytes());
+        bytes.extend_from_slice(&body);
+        std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
+    }
+
+    pub fn load(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        if bytes.len() < 12 || &bytes[..8] != PATHS_MAGIC {
+            return Err(Error::format(
+                path,
+                "not an edgemoe path dictionary (bad magic number)",
+            ));
+        }
+        let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+        if version != PATHS_VERSION {
+            return Err(Error::format(
+                path,
+                format!("path dictionary version {version}, this engine reads version {PATHS_VERSION}; run `edgemoe calibrate` again"),
+            ));
+        }
+        bincode::deserialize(&bytes[12..])
+            .map_err(|e| Error::format(path, format!("corrupted path dictionary: {e}")))
+    }
+}
+
+/// How well one layer's experts are predicted on held-out tokens. A prediction is right when
+/// the token's experts include it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LayerAccuracy {
+    pub layer: usize,
+    pub tokens: u64,
+    /// The dictionary's most probable expert is among the chosen ones.
+    pub top1: f64,
+    /// One of the dictionary's two most probable experts is among the chosen ones.
+    pub top2: f64,
+    /// Share of the chosen experts among the dictionary's `k` most probable (= `top1` for
+    /// top-1 routing).
+    pub recall_at_k: f64,
+    /// Baseline: the expert this layer weighted highest for the previous token of the sequence
+    /// (the most frequent expert for a sequence's first token).
+    pub same_as_previous_token: f64,
+    /// Baseline: the layer's most frequent expert.
+    pub most_frequent: f64,
+}
+
+fn ranked(probabilities: &[f64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..probabilities.len()).collect();
+    // Stable: ties keep the lower expert id first.
+    order.sort_by(|&a, &b| probabilities[b].total_cmp(&probabilities[a]));
+    order
+}
+
+/// Accuracy of `dict` on held-out `sequences` (each a list of token paths, in token order; a
+/// path holds `top_k` experts per layer, highest weight first).
+pub fn evaluate(dict: &StackPaths, sequences: &[Vec<Vec<u16>>]) -> Vec<LayerAccuracy> {
+    let k = dict.top_k;
+    let mut out: Vec<LayerAccuracy> = (0..dict.num_layers)
+        .map(|layer| LayerAccuracy {
+            layer,
+            ..Default::default()
+        })
+        .collect();
+    let most_frequent: Vec<u16> = (0..dict.num_layers)
+        .map(|l| ranked(&dict.frequencies(l))[0] as u16)
+        .collect();
+    let mut hits = vec![[0f64; 5]; dict.num_layers];
+    for sequence in sequences {
+        for (t, path) in sequence.iter().enumerate() {
+            if path.len() != dict.num_layers * k {
+                continue;
+            }
+            for layer in 0..dict.num_layers {
+                let actual = &path[layer * k..(layer + 1) * k];
+                let order = ranked(&dict.predict(layer, &path[..layer * k]));
+                let previous = if t == 0 {
+                    most_frequent[layer]
+                } else {
+                    sequence[t - 1]
+                        .get(layer * k)
+                        .copied()
+                        .unwrap_or(most_frequent[layer])
+                };
+                let has = |e: usize| actual.contains(&(e as u16));
+                let h = &mut hits[layer];
+                h[0] += has(order[0]) as u64 as f64;
+                h[1] += order.iter().take(2).any(|&e| has(e)) as u64 as f64;
+                h[2] += order.iter().take(k).filter(|&&e| has(e)).count() as f64 / k as f64;
+                h[3] += has(previous as usize) as u64 as f64;
+                h[4] += has(most_frequent[layer] as usize) as u64 as f64;
+                out[layer].tokens += 1;
+            }
+        }
+    }
+    for (acc, h) in out.iter_mut().zip(&hits) {
+        let n = acc.tokens.max(1) as f64;
+        acc.top1 = h[0] / n;
+        acc.top2 = h[1] / n;
+        acc.recall_at_k = h[2] / n;
+        acc.same_as_previous_token = h[3] / n;
+        acc.most_frequent = h[4] / n;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A skewed synthetic corpus: layer 1 copies layer 0, layer 2 is a fixed function of the
+    /// two before it, with 10% noise.
+    fn synthetic() -> Vec<Vec<Vec<u16>>> {
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        (0..50)
+            .map(|_| {
+                (0..20)
+                    .map(|_| {
+                        let a = if next() % 10 < 7 {
+                            0
+                        } else {
+                            (next() % 4) as u16
+                        };
+                        let b = if next() % 10 == 0 {
+                            (next() % 4) as u16
+                        } else {
+                            a
+                        };
+                        let c = (a + b + 1) % 4;
+                        vec![a, b, c]
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn predicts_a_skewed_synthetic_trace() {
+        let data = synthetic();
+        let mut dict = StackPaths::new(3, 4, 1);
+        for seq in &data[..40] {
+            for path in seq {
+                dict.add_path(path);
+            }
+        }
+        // Layer 2 is determined by the two layers before it.
+        let p = dict.predict(2, &[1, 1]);
+        assert_eq!(p[3], 1.0);
+        // An unseen (layer 2, 3, 0) falls back to (layer 2, 0), then to the marginal.
+        dict.given_two.remove(&(2, vec![3], vec![0]));
+        assert_eq!(
+            dict.predict(2, &[3, 0]),
+            normalise(&dict.given_previous[&(2, vec![0])], 1)
+        );
+        dict.given_previous.remove(&(2, vec![0]));
+        assert_eq!(dict.predict(2, &[3, 0]), dict.frequencies(2));
+        assert_eq!(dict.predict(0, &[]), dict.frequencies(0));
+        let acc = evaluate(&dict, &data[40..]);
+        assert!(acc[2].top1 > 0.99, "{acc:?}");
+        assert!(
+            acc[1].top1 > 0.85 && acc[1].top1 > acc[1].most_frequent,
+            "{acc:?}"
+        );
+        // Layer 0 has no history: the dictionary is the most-frequent baseline.
+        assert_eq!(acc[0].top1, acc[0].most_frequent);
+        assert!(acc[0].top2 >= acc[0].top1);
+        assert!(dict.top_path_coverage(0.2) > 0.5);
+    }
+
+    #[test]
+    fn predicts_sets_for_top_k() {
+        // Two experts per token over 6 experts; layer 1's set is {e+1, e+2} for layer 0's
+        // {e, e'} with e the smaller; layer 2 repeats layer 1.
+        let mut dict = StackPaths::new(3, 6, 2);
+        for a in 0..4u16 {
+            for _ in 0..5 {
+                // Router order (highest weight first) must not matter for the keys.
+                dict.add_path(&[a + 1, a, a + 2, a + 1, a + 1, a + 2]);
+            }
+        }
+        let p = dict.predict(1, &[2, 3]);
+        assert_eq!(p[3], 1.0);
+        assert_eq!(p[4], 1.0);
+        assert!((p.iter().sum::<f64>() - 2.0).abs() < 1e-12, "{p:?}");
+        assert_eq!(dict.predict(2, &[3, 2, 4, 3])[4], 1.0);
+        // Marginals are inclusion probabilities: 4 equally likely sets over experts 0..=4.
+        let f = dict.frequencies(0);
+        assert_eq!(f[1], 0.5);
+        assert_eq!(f[0], 0.25);
+        let seqs = vec![vec![vec![1, 0, 2, 1, 1, 2], vec![3, 2, 4, 3, 4, 3]]];
+        let acc = evaluate(&dict, &seqs);
+        assert_eq!(acc[1].recall_at_k, 1.0);
+        assert_eq!(acc[2].top1, 1.0);
+        // Same as previous token: token 1's layer-2 top expert is 4, token 0's was 1.
+        assert_eq!(acc[2].same_as_previous_token, 0.5);
+        assert_eq!(dict.paths.len(), 4);
+        assert_eq!(dict.paths[&vec![0, 1, 1, 2, 1, 2]], 5);
+    }
+
+    #[test]
+    fn round_trips_through_a_file() {
+        let mut dict = PathDictionary::new(2, 3, 4, 1);
+        dict.encoder.add_path(&[1, 2]);
+        dict.decoder.add_path(&[0, 3, 3]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(PATHS_FILE);
+        dict.save(&path).unwrap();
+        assert_eq!(PathDictionary::load(&path).unwrap(), dict);
+        std::fs::write(&path, b"EMOPATHS\x09\x00\x00\x00").unwrap();
+        assert!(PathDictionary::load(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("version 9"));
+    }
+}

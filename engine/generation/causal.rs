@@ -1,0 +1,206 @@
+//! Text generation with decoder-only models (`edgemoe generate`): the prompt is prefilled in one
+//! forward call (its tokens grouped by expert at every MoE layer, so each chosen expert is read
+//! once per layer), then one token per step; every new token goes to a callback as soon as it
+//! exists, so the CLI streams text while the model runs.
+//!
+//! Decisions:
+//! - Greedy by default, as HF `generate(do_sample=False)`: libtorch's argmax of the f32 logits
+//!   (ties break as in PyTorch). `generation_config.json`'s sampling flags are not applied:
+//!   sampling is asked for on the command line.
+//! - Sampling: HF's `TemperatureLogitsWarper` then `TopPLogitsWarper` (drop the least probable
+//!   tokens whose cumulative mass is at most `1 − top_p`, keep at least one), then a draw from
+//!   the renormalised distribution with the engine's own SplitMix64 generator seeded by
+//!   `--seed`: a seed reproduces a run on any machine, not PyTorch's sampled tokens.
+//! - Stops after `max_new_tokens` or at any of the checkpoint's EOS ids (kept in the output).
+//! - The record is a [`Generation`] like summarization's (`encode_ms` = the prefill), so run
+//!   statistics, traces and calibration treat both architectures alike.
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::bundle::Bundle;
+use crate::dictionary::PathDictionary;
+use crate::error::{Error, Result};
+use crate::generation::seq2seq::Generation;
+use crate::model::provider::ExpertProvider;
+use crate::model::DecoderOnlyModel;
+use crate::runtime::budget::{working_bytes, BudgetPlan, RunShape};
+use crate::runtime::modes::ExpertSource;
+use crate::runtime::setup::{CacheOptions, ExpertRuntime};
+use crate::tokenizer::Tokenizer;
+
+use super::sampling::{sample_top_p, Sampling, SplitMix64};
+
+/// Knobs of one generation call.
+#[derive(Debug, Clone)]
+pub struct CompletionOptions {
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    /// Tokens that end a generation.
+    pub stop_token_ids: Vec<i64>,
+}
+
+/// Generates up to `max_new_tokens` after `prompt`, calling `on_token` with each new token as
+/// soon as it is chosen.
+pub fn complete(
+    model: &DecoderOnlyModel,
+    provider: &mut dyn ExpertProvider,
+    prompt: &[i64],
+    options: &CompletionOptions,
+    on_token: &mut dyn FnMut(i64) -> Result<()>,
+) -> Result<Generation> {
+    let _guard = tch::no_grad_guard();
+    if prompt.is_empty() {
+        return Err(Error::Input("empty prompt: no tokens to start from".into()));
+    }
+    let mut out = Generation::default();
+    let mut rng = match options.sampling {
+        Sampling::TopP { seed, .. } => Some(SplitMix64::new(seed)),
+        Sampling::Greedy => None,
+    };
+    let mut cache = model.new_cache();
+    let started = Instant::now();
+    let mut logits = model.forward(prompt, &mut cache, provider, &mut out.routes)?; // [V]
+    out.encode_ms = started.elapsed().as_secs_f64() * 1e3;
+    for produced in 0..options.max_new_tokens {
+        let step = Instant::now();
+        if produced > 0 {
+            let last = *out.tokens.last().expect("a token was produced");
+            logits = model.forward(&[last], &mut cache, provider, &mut out.routes)?;
+        }
+        let next = match (options.sampling, rng.as_mut()) {
+            (
+                Sampling::TopP {
+                    temperature, top_p, ..
+                },
+                Some(rng),
+            ) => {
+                let values = Vec::<f32>::try_from(&logits)?;
+                sample_top_p(&values, temperature, top_p, rng)
+            }
+            _ => logits.f_argmax(-1, false)?.f_int64_value(&[])?,
+        };
+        if produced > 0 {
+            out.step_ms.push(step.elapsed().as_secs_f64() * 1e3);
+        }
+        out.tokens.push(next);
+        on_token(next)?;
+        if options.stop_token_ids.contains(&next) {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Turns a growing list of token ids into text pieces to print: decodes everything so far and
+/// hands out what was not printed yet, holding back an incomplete UTF-8 sequence (`�`).
+#[derive(Default)]
+pub struct TextStream {
+    ids: Vec<i64>,
+    printed: String,
+}
+
+impl TextStream {
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: i64) -> Result<String> {
+        self.ids.push(id);
+        let text = tokenizer.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}') || !text.starts_with(&self.printed) {
+            return Ok(String::new());
+        }
+        let piece = text[self.printed.len()..].to_string();
+        self.printed = text;
+        Ok(piece)
+    }
+
+    /// What is left to print at the end.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String> {
+        let text = tokenizer.decode(&self.ids)?;
+        let piece = text
+            .strip_prefix(&self.printed)
+            .unwrap_or_default()
+            .to_string();
+        self.printed = text;
+        Ok(piece)
+    }
+}
+
+/// Options of a text-generation run that do not come from the bundle.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub budget_bytes: u64,
+    pub completion: CompletionOptions,
+    /// Longest prompt in tokens (working memory is sized for it).
+    pub max_prompt_tokens: usize,
+    pub cache: CacheOptions,
+}
+
+/// A loaded decoder-only model with its expert buffer, ready to generate.
+pub struct TextGenerator {
+    pub model: DecoderOnlyModel,
+    pub tokenizer: Tokenizer,
+    pub buffer: ExpertSource,
+    pub plan: BudgetPlan,
+    pub options: GenerateOptions,
+    pub dictionary: Option<std::sync::Arc<PathDictionary>>,
+    pub warnings: Vec<String>,
+}
+
+impl TextGenerator {
+    pub fn open(bundle_dir: &Path, options: GenerateOptions) -> Result<Self> {
+        let bundle = Bundle::open(bundle_dir)?;
+        let tokenizer = bundle.tokenizer()?;
+        let model = bundle.load_decoder_only()?;
+        let working = working_bytes(
+            &bundle.config.model,
+            RunShape {
+                max_source_tokens: options.max_prompt_tokens,
+                max_new_tokens: options.completion.max_new_tokens,
+                beams: 1,
+            },
+        );
+        let runtime = ExpertRuntime::open(
+            &bundle,
+            options.budget_bytes,
+            model.resident_bytes(),
+            working,
+            &options.cache,
+        )?;
+        Ok(TextGenerator {
+            model,
+            tokenizer,
+            buffer: runtime.buffer,
+            plan: runtime.plan,
+            options,
+            dictionary: runtime.dictionary,
+            warnings: runtime.warnings,
+        })
+    }
+
+    /// The prompt's token ids (with the tokenizer's special tokens, e.g. a BOS), truncated to
+    /// the last `max_prompt_tokens`.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<i64>> {
+        let mut ids = self.tokenizer.encode_all(prompt)?;
+        if ids.is_empty() {
+            return Err(Error::Input("the prompt produced no tokens".into()));
+        }
+        let max = self.options.max_prompt_tokens.max(1);
+        if ids.len() > max {
+            ids.drain(..ids.len() - max);
+        }
+        Ok(ids)
+    }
+
+    pub fn generate_ids(
+        &mut self,
+        prompt: &[i64],
+        on_token: &mut dyn FnMut(i64) -> Result<()>,
+    ) -> Result<Generation> {
+        complete(
+            &self.model,
+            &mut self.buffer,
+            prompt,
+            &self.options.completion,
+            on_token,
+        )
+    }
+}

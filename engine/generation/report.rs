@@ -1,0 +1,206 @@
+//! Run statistics: what a run did and cost, as JSON (`--stats-json`) and as a one-line summary.
+
+use serde::Serialize;
+
+use crate::generation::seq2seq::Generation;
+use crate::generation::session::CacheOptions;
+use crate::runtime::budget::BudgetPlan;
+use crate::runtime::stats::{DictionaryStats, ExpertStats, LayerStats, PrefetchStats};
+use crate::units::format_bytes;
+
+/// Per-document figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct SampleStats {
+    pub source_tokens: usize,
+    pub tokens_generated: usize,
+    pub encode_ms: f64,
+    /// Encoder + decoder wall time of this document.
+    pub sample_ms: f64,
+    pub decode_ms_per_token: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunStats {
+    pub documents: usize,
+    pub tokens_generated: usize,
+    /// Mean wall time of one decoder step (one new token, all beams).
+    pub decode_ms_per_token: f64,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub tokens_per_s: f64,
+    pub encode_ms: f64,
+    pub hit_ratio: f64,
+    pub expert_accesses: u64,
+    pub hits: u64,
+    pub misses: u64,
+    /// Same as `misses`: demand requests that read on the compute thread.
+    pub demand_misses: u64,
+    /// Hit ratio of each MoE layer.
+    pub per_layer: Vec<LayerStats>,
+    pub bytes_read: u64,
+    /// `bytes_read` / decoder steps.
+    pub bytes_read_per_token: f64,
+    pub read_ms: f64,
+    /// Time the compute thread waited for expert bytes (its reads + reads in flight).
+    pub stall_ms: f64,
+    pub stall_ms_per_token: f64,
+    pub mode: String,
+    /// Device profile the run used, if any.
+    pub profile: Option<String>,
+    pub policy: String,
+    pub prefetch_enabled: bool,
+    pub prefetch: PrefetchStats,
+    /// Top-1 accuracy of the path dictionary on this run's tokens.
+    pub dictionary: DictionaryStats,
+    pub peak_rss_bytes: u64,
+    pub budget_bytes: u64,
+    pub resident_bytes: u64,
+    pub working_bytes: u64,
+    pub buffer_bytes: u64,
+    pub buffer_slots: usize,
+    /// Generated ids of each document (without the decoder start token).
+    pub output_ids: Vec<Vec<i64>>,
+    pub samples: Vec<SampleStats>,
+}
+
+/// Peak resident set size of this process (`VmHWM`), 0 where `/proc` is unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or(0)
+}
+
+/// The `q`-quantile (0..=1) of `values` by nearest rank; 0 for no values.
+pub fn percentile(values: &[f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+impl RunStats {
+    pub fn new(
+        generations: &[(usize, Generation)],
+        experts: &ExpertStats,
+        plan: &BudgetPlan,
+        cache: &CacheOptions,
+    ) -> Self {
+        let steps: Vec<f64> = generations
+            .iter()
+            .flat_map(|(_, g)| g.step_ms.iter().copied())
+            .collect();
+        let decode_ms: f64 = steps.iter().sum();
+        let samples: Vec<SampleStats> = generations
+            .iter()
+            .map(|(source_tokens, g)| {
+                let decode: f64 = g.step_ms.iter().sum();
+                SampleStats {
+                    source_tokens: *source_tokens,
+                    tokens_generated: g.tokens.len(),
+                    encode_ms: g.encode_ms,
+                    sample_ms: g.encode_ms + decode,
+                    decode_ms_per_token: decode / g.step_ms.len().max(1) as f64,
+                }
+            })
+            .collect();
+        let tokens_generated = generations.iter().map(|(_, g)| g.tokens.len()).sum();
+        let steps_total = steps.len().max(1) as f64;
+        RunStats {
+            documents: generations.len(),
+            tokens_generated,
+            decode_ms_per_token: decode_ms / steps.len().max(1) as f64,
+            p50_ms: percentile(&steps, 0.5),
+            p90_ms: percentile(&steps, 0.9),
+            tokens_per_s: if decode_ms > 0.0 {
+                tokens_generated as f64 / (decode_ms / 1e3)
+            } else {
+                0.0
+            },
+            encode_ms: generations.iter().map(|(_, g)| g.encode_ms).sum(),
+            hit_ratio: experts.hit_ratio(),
+            expert_accesses: experts.accesses,
+            hits: experts.hits,
+            misses: experts.misses,
+            demand_misses: experts.misses,
+            per_layer: experts.per_layer(),
+            bytes_read: experts.bytes_read,
+            bytes_read_per_token: experts.bytes_read as f64 / steps_total,
+            read_ms: experts.read_ms,
+            stall_ms: experts.stall_ms,
+            stall_ms_per_token: experts.stall_ms / steps_total,
+            mode: cache.mode.name().into(),
+            profile: None,
+            policy: cache.policy.name().into(),
+            prefetch_enabled: cache.prefetch,
+            prefetch: experts.prefetch.clone(),
+            dictionary: experts.dictionary.clone(),
+            peak_rss_bytes: peak_rss_bytes(),
+            budget_bytes: plan.budget_bytes,
+            resident_bytes: plan.resident_bytes,
+            working_bytes: plan.working_bytes,
+            buffer_bytes: plan.buffer_bytes(),
+            buffer_slots: plan.slots,
+            output_ids: generations.iter().map(|(_, g)| g.tokens.clone()).collect(),
+            samples,
+        }
+    }
+
+    /// `64 tokens, 41.2 tokens/s (24.3 ms/token) · expert hit ratio 87.5% (224/256) · read 12.0 MiB · peak RSS 310 MiB`
+    pub fn summary_line(&self) -> String {
+        format!(
+            "{} tokens, {:.1} tokens/s ({:.1} ms/token) · expert hit ratio {:.1}% ({}/{}) · read {} from the expert store, stalled {:.1} ms · mode {}, {} policy, prefetch {} · buffer {} slots ({}) of budget {} · peak RSS {}",
+            self.tokens_generated,
+            self.tokens_per_s,
+            self.decode_ms_per_token,
+            100.0 * self.hit_ratio,
+            self.hits,
+            self.expert_accesses,
+            format_bytes(self.bytes_read),
+            self.stall_ms,
+            self.mode,
+            self.policy,
+            if self.prefetch_enabled {
+                format!("on ({} issued, {} useful)", self.prefetch.issued, self.prefetch.useful)
+            } else {
+                "off".into()
+            },
+            self.buffer_slots,
+            format_bytes(self.buffer_bytes),
+            format_bytes(self.budget_bytes),
+            format_bytes(self.peak_rss_bytes),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let v = [5.0, 1.0, 4.0, 2.0, 3.0];
+        assert_eq!(percentile(&v, 0.5), 3.0);
+        assert_eq!(percentile(&v, 0.9), 5.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn reads_peak_rss() {
+        assert!(peak_rss_bytes() > 0);
+    }
+}

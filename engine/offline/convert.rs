@@ -1,0 +1,507 @@
+//! `convert`: a Hugging Face checkpoint (`config.json`, `model.safetensors` or sharded
+//! safetensors with their index, f32/f16/bf16, `tokenizer.json`) → a model bundle. Switch
+//! Transformers and the decoder-only families Mixtral, Qwen2-MoE and OLMoE.
+//!
+//! Every tensor of the checkpoint must be accounted for: resident, expert, or a known redundant
+//! copy (tied heads, RoPE tables). A tensor the engine would not use means the config and the
+//! weights disagree, and is reported rather than ignored.
+//!
+//! Decoder-only experts are read from either layout transformers 5.x produces: one tensor per
+//! expert and matrix (what `save_pretrained` writes by default: Mixtral's
+//! `block_sparse_moe.experts.{e}.w1/w2/w3`, the others' `mlp.experts.{e}.{gate,up,down}_proj`),
+//! or the fused `mlp.experts.gate_up_proj` `[E, 2·d_ff, d]` + `down_proj` `[E, d, d_ff]` of
+//! its in-memory modules (`save_original_format=False`), sliced per expert. Either way each
+//! expert becomes one blob `gate`, `up`, `down`. Resident tensors are renamed to 5.x's
+//! in-memory names (Mixtral's router `block_sparse_moe.gate` → `mlp.gate`).
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use safetensors::tensor::TensorView;
+use tch::Tensor;
+
+use crate::bundle::{CONFIG_FILE, EXPERTS_FILE, RESIDENT_FILE, TOKENIZER_FILE};
+use crate::config::{
+    BundleConfig, DecoderFamily, DecoderSpec, GenerationDefaults, HfDecoderConfig,
+    HfGenerationConfig, HfSwitchConfig, ModelSpec, SwitchSpec, ARCHITECTURE_SWITCH,
+    BUNDLE_FORMAT_VERSION,
+};
+use crate::error::{Error, Result};
+use crate::ids::ExpertId;
+use crate::io::read_json;
+use crate::model::decoder_only;
+use crate::model::switch;
+use crate::offline::bit_plan::BitPlan;
+use crate::store::{ExpertEncoding, ExpertStoreWriter};
+use crate::tokenizer::Tokenizer;
+use crate::weights::{TensorBytes, WeightDtype, WeightFiles};
+
+pub struct ConvertOptions {
+    pub hf_dir: PathBuf,
+    pub out_dir: PathBuf,
+    /// Tokenizer to bundle when the checkpoint directory has no `tokenizer.json`.
+    pub tokenizer: Option<PathBuf>,
+    /// Stored width of each expert (empty: the checkpoint's dtype). Non-expert weights are
+    /// never quantized.
+    pub bits: BitPlan,
+    pub show_progress: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    pub spec: ModelSpec,
+    pub experts: usize,
+    pub resident_file_bytes: u64,
+    pub expert_store_bytes: u64,
+}
+
+/// Reads and validates a Hugging Face directory's config files.
+pub fn read_hf_config(hf_dir: &Path) -> Result<BundleConfig> {
+    let config_path = hf_dir.join("config.json");
+    let raw: serde_json::Value = read_json(&config_path)?;
+    let generation_path = hf_dir.join("generation_config.json");
+    let generation: HfGenerationConfig = if generation_path.exists() {
+        read_json(&generation_path)?
+    } else {
+        HfGenerationConfig::default()
+    };
+    let model_type = raw.get("model_type").and_then(|v| v.as_str());
+    let invalid =
+        |e: serde_json::Error| Error::format(&config_path, format!("invalid config: {e}"));
+    let (model, generation) = match model_type {
+        Some(ARCHITECTURE_SWITCH) => {
+            let hf: HfSwitchConfig = serde_json::from_value(raw).map_err(invalid)?;
+            let spec = SwitchSpec::from_hf(&hf, &config_path)?;
+            let generation =
+                GenerationDefaults::from_hf(&hf.special_tokens(), &generation, &generation_path)?;
+            (ModelSpec::Switch(spec), generation)
+        }
+        Some(t) if DecoderFamily::from_model_type(t).is_some() => {
+            let hf: HfDecoderConfig = serde_json::from_value(raw).map_err(invalid)?;
+            let spec = DecoderSpec::from_hf(&hf, &config_path)?;
+            let tokens = hf.special_tokens();
+            let generation = GenerationDefaults::from_hf(&tokens, &generation, &generation_path)?
+                .for_decoder_only(&tokens, spec.max_position_embeddings);
+            (ModelSpec::DecoderOnly(spec), generation)
+        }
+        Some(other) => {
+            let known: Vec<&str> = std::iter::once(ARCHITECTURE_SWITCH)
+                .chain(DecoderFamily::ALL.iter().map(|f| f.model_type()))
+                .collect();
+            return Err(Error::Unsupported {
+                path: config_path,
+                message: format!(
+                    "model_type `{other}` (this engine converts {})",
+                    known.join(", ")
+                ),
+            });
+        }
+        None => {
+            return Err(Error::Unsupported {
+                path: config_path,
+                message: "config has no `model_type`".into(),
+            })
+        }
+    };
+    Ok(BundleConfig {
+        format_version: BUNDLE_FORMAT_VERSION,
+        architecture: model.architecture().into(),
+        model,
+        generation,
+        source_dtype: String::new(),
+    })
+}
+
+/// One expert matrix as stored in the checkpoint (a whole tensor, or an expert's rows of a
+/// fused one).
+pub struct MatrixBytes<'a> {
+    /// Checkpoint tensor it comes from (for errors).
+    pub name: String,
+    pub path: &'a Path,
+    pub dtype: WeightDtype,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> MatrixBytes<'a> {
+    fn whole(t: TensorBytes<'a>) -> Self {
+        MatrixBytes {
+            name: t.name.to_string(),
+            path: t.path,
+            dtype: t.dtype,
+            rows: t.shape[0],
+            cols: t.shape[1],
+            data: t.data,
+        }
+    }
+
+    /// Rows `first .. first + rows` of matrix `index` of a `[n, rows_each, cols]` tensor.
+    fn rows_of(t: &TensorBytes<'a>, index: usize, first: usize, rows: usize) -> Self {
+        let (rows_each, cols) = (t.shape[1], t.shape[2]);
+        let size = t.dtype.size_bytes();
+        let start = ((index * rows_each + first) * cols) * size;
+        MatrixBytes {
+            name: t.name.to_string(),
+            path: t.path,
+            dtype: t.dtype,
+            rows,
+            cols,
+            data: &t.data[start..start + rows * cols * size],
+        }
+    }
+
+    fn to_f32_tensor(&self) -> Result<Tensor> {
+        let stored = Tensor::f_from_data_size(
+            self.data,
+            &[self.rows as i64, self.cols as i64],
+            self.dtype.kind(),
+        )?;
+        Ok(stored.f_to_kind(tch::Kind::Float)?)
+    }
+}
+
+/// Where the bundle's tensors come from in a checkpoint.
+struct Sources<'a> {
+    files: &'a WeightFiles,
+    spec: ModelSpec,
+    /// (bundle name, checkpoint name, shape) of every resident tensor.
+    resident: Vec<(String, String, Vec<usize>)>,
+    /// MoE layers whose experts are fused (decoder-only).
+    fused_layers: HashSet<usize>,
+}
+
+impl<'a> Sources<'a> {
+    fn new(files: &'a WeightFiles, spec: &ModelSpec) -> Self {
+        let (resident, fused_layers) = match spec {
+            ModelSpec::Switch(s) => (
+                switch::resident_tensors(s)
+                    .into_iter()
+                    .map(|(n, shape)| (n.clone(), n, shape))
+                    .collect(),
+                HashSet::new(),
+            ),
+            ModelSpec::DecoderOnly(d) => {
+                // A tensor missing under every name is reported under the name the checkpoint's
+                // style would use.
+                let legacy = files.names().any(|n| n.contains(".block_sparse_moe."));
+                let resident = decoder_only::resident_tensors(d)
+                    .into_iter()
+                    .map(|(name, shape)| {
+                        let aliases = decoder_only::checkpoint_aliases(d, &name);
+                        let source = std::iter::once(&name)
+                            .chain(&aliases)
+                            .find(|n| files.contains(n))
+                            .cloned()
+                            .unwrap_or_else(|| match aliases.first() {
+                                Some(alias) if legacy => alias.clone(),
+                                _ => name.clone(),
+                            });
+                        (name, source, shape)
+                    })
+                    .collect();
+                let fused = d
+                    .moe_layers
+                    .iter()
+                    .copied()
+                    .filter(|&l| files.contains(&decoder_only::fused_expert_names(l).0))
+                    .collect();
+                (resident, fused)
+            }
+        };
+        Sources {
+            files,
+            spec: spec.clone(),
+            resident,
+            fused_layers,
+        }
+    }
+
+    /// Checkpoint names of every tensor the bundle takes or knowingly skips.
+    fn expected(&self, experts: &[ExpertId]) -> HashSet<String> {
+        let mut names: HashSet<String> = self.resident.iter().map(|r| r.1.clone()).collect();
+        match &self.spec {
+            ModelSpec::Switch(s) => {
+                for &id in experts {
+                    for m in ["wi", "wo"] {
+                        names.insert(switch::expert_tensor_name(id, m));
+                    }
+                }
+                names.extend(switch::redundant_tensors(s));
+            }
+            ModelSpec::DecoderOnly(d) => {
+                for &id in experts {
+                    if self.fused_layers.contains(&(id.layer as usize)) {
+                        let (gate_up, down) = decoder_only::fused_expert_names(id.layer as usize);
+                        names.insert(gate_up);
+                        names.insert(down);
+                    } else {
+                        for m in decoder_only::EXPERT_MATRICES {
+                            names.insert(decoder_only::expert_tensor_name(d.family, id, m));
+                        }
+                    }
+                }
+                names.extend(decoder_only::redundant_tensors(d));
+            }
+        }
+        names
+    }
+
+    /// The matrices of expert `id` in blob order.
+    fn expert(&self, id: ExpertId) -> Result<Vec<MatrixBytes<'a>>> {
+        let files = self.files;
+        let (d, ff) = (self.spec.d_model(), self.spec.expert_d_ff());
+        match &self.spec {
+            ModelSpec::Switch(_) => Ok(vec![
+                MatrixBytes::whole(files.get(&switch::expert_tensor_name(id, "wi"), &[ff, d])?),
+                MatrixBytes::whole(files.get(&switch::expert_tensor_name(id, "wo"), &[d, ff])?),
+            ]),
+            ModelSpec::DecoderOnly(spec) => {
+                let layer = id.layer as usize;
+                let e = id.expert as usize;
+                if self.fused_layers.contains(&layer) {
+                    let n = spec.num_experts;
+                    let (gate_up, down) = decoder_only::fused_expert_names(layer);
+                    let gate_up = files.get(&gate_up, &[n, 2 * ff, d])?;
+                    let down = files.get(&down, &[n, d, ff])?;
+                    Ok(vec![
+                        MatrixBytes::rows_of(&gate_up, e, 0, ff),
+                        MatrixBytes::rows_of(&gate_up, e, ff, ff),
+                        MatrixBytes::rows_of(&down, e, 0, d),
+                    ])
+                } else {
+                    let name = |m| decoder_only::expert_tensor_name(spec.family, id, m);
+                    Ok(vec![
+                        MatrixBytes::whole(files.get(&name("gate"), &[ff, d])?),
+                        MatrixBytes::whole(files.get(&name("up"), &[ff, d])?),
+                        MatrixBytes::whole(files.get(&name("down"), &[d, ff])?),
+                    ])
+                }
+            }
+        }
+    }
+}
+
+pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
+    let hf_dir = &options.hf_dir;
+    if !hf_dir.is_dir() {
+        return Err(Error::io(
+            hf_dir,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "Hugging Face checkpoint directory not found",
+            ),
+        ));
+    }
+    let mut config = read_hf_config(hf_dir)?;
+    let tokenizer_path = options
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| hf_dir.join("tokenizer.json"));
+    Tokenizer::load(&tokenizer_path)?;
+    let files = WeightFiles::open_hf_dir(hf_dir)?;
+    if let ModelSpec::Switch(spec) = &mut config.model {
+        // Untied transformers 5.x checkpoints give each stack its own embedding table.
+        let untied = !spec.tie_word_embeddings;
+        spec.separate_encoder_embeddings = untied && files.contains("encoder.embed_tokens.weight");
+        spec.separate_decoder_embeddings = untied && files.contains("decoder.embed_tokens.weight");
+    }
+    let spec = config.model.clone();
+
+    let sources = Sources::new(&files, &spec);
+    let resident = &sources.resident;
+    let experts = spec.all_experts();
+    let expected = sources.expected(&experts);
+    let mut unexpected: Vec<&str> = files.names().filter(|n| !expected.contains(*n)).collect();
+    unexpected.sort();
+    if let Some(name) = unexpected.first() {
+        return Err(Error::tensor(
+            files.describe(),
+            *name,
+            format!(
+                "not part of the model described by config.json ({} unexpected tensors); the config and the weights disagree",
+                unexpected.len()
+            ),
+        ));
+    }
+
+    std::fs::create_dir_all(&options.out_dir).map_err(|e| Error::io(&options.out_dir, e))?;
+    // A bundle is valid only once config.json is written (last), so remove a stale one first;
+    // a path dictionary calibrated on what was there before does not describe the new weights.
+    let config_out = options.out_dir.join(CONFIG_FILE);
+    for stale in [
+        config_out.clone(),
+        options.out_dir.join(crate::dictionary::PATHS_FILE),
+    ] {
+        if stale.exists() {
+            std::fs::remove_file(&stale).map_err(|e| Error::io(&stale, e))?;
+        }
+    }
+
+    let progress = if options.show_progress {
+        ProgressBar::new((resident.len() + experts.len()) as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    progress.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} tensors ({eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+
+    // Resident weights keep their source dtype; they are widened to f32 when loaded.
+    progress.set_message("resident");
+    let resident_path = options.out_dir.join(RESIDENT_FILE);
+    let mut views = Vec::with_capacity(resident.len());
+    for (name, source, shape) in resident {
+        let t = files.get(source, shape)?;
+        let view = TensorView::new(t.dtype.to_safetensors(), shape.clone(), t.data)
+            .map_err(|e| Error::tensor(t.path, source, e.to_string()))?;
+        views.push((name.clone(), view));
+        progress.inc(1);
+    }
+    config.source_dtype = files
+        .get(&resident[0].1, &resident[0].2)?
+        .dtype
+        .name()
+        .into();
+    safetensors::tensor::serialize_to_file(views, None, &resident_path)
+        .map_err(|e| Error::format(&resident_path, format!("cannot write: {e}")))?;
+
+    // Experts: one blob each, at the plan's width, else in their source dtype (f32 if their
+    // matrices disagree).
+    progress.set_message("experts");
+    let mut plan = Vec::with_capacity(experts.len());
+    for &id in &experts {
+        let matrices = sources.expert(id)?;
+        let source = if matrices.iter().all(|m| m.dtype == matrices[0].dtype) {
+            matrices[0].dtype
+        } else {
+            WeightDtype::F32
+        };
+        let encoding = options
+            .bits
+            .encoding(id)
+            .unwrap_or(ExpertEncoding::Float(source));
+        plan.push((id, encoding));
+    }
+    if let Some(unknown) = options.bits.experts.keys().find(|id| !experts.contains(id)) {
+        return Err(Error::Input(format!(
+            "the bit plan names {unknown}, which this model does not have"
+        )));
+    }
+    let store_path = options.out_dir.join(EXPERTS_FILE);
+    let mut writer = ExpertStoreWriter::create(&store_path, &spec.expert_layout(), &plan)?;
+    for &(id, encoding) in &plan {
+        let sources = sources.expert(id)?;
+        let (matrices, length) = spec.expert_layout().blob(encoding);
+        let mut blob = vec![0u8; length as usize];
+        for (m, t) in matrices.iter().zip(&sources) {
+            let (bytes, scales) = stored_bytes(t, encoding)?;
+            blob[m.offset as usize..(m.offset + m.bytes) as usize].copy_from_slice(&bytes);
+            let at = m.scales_offset as usize;
+            for (i, s) in scales.iter().enumerate() {
+                blob[at + 4 * i..at + 4 * i + 4].copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        writer.write_next(&blob)?;
+        progress.inc(1);
+    }
+    writer.finish()?;
+
+    let tokenizer_out = options.out_dir.join(TOKENIZER_FILE);
+    std::fs::copy(&tokenizer_path, &tokenizer_out).map_err(|e| Error::io(&tokenizer_out, e))?;
+    let json = serde_json::to_string_pretty(&config).expect("config serializes");
+    std::fs::write(&config_out, json + "\n").map_err(|e| Error::io(&config_out, e))?;
+    progress.finish_and_clear();
+
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    Ok(ConvertReport {
+        spec,
+        experts: experts.len(),
+        resident_file_bytes: size(&resident_path),
+        expert_store_bytes: size(&store_path),
+    })
+}
+
+/// A matrix's bytes in the store's encoding, and its per-row scales (quantized encodings).
+fn stored_bytes(t: &MatrixBytes<'_>, encoding: ExpertEncoding) -> Result<(Vec<u8>, Vec<f32>)> {
+    match encoding {
+        ExpertEncoding::Float(dtype) if dtype == t.dtype => Ok((t.data.to_vec(), Vec::new())),
+        ExpertEncoding::Float(dtype) => {
+            let converted = t.to_f32_tensor()?.f_to_kind(dtype.kind())?;
+            let mut bytes = vec![0u8; converted.numel() * dtype.size_bytes()];
+            converted.f_copy_data_u8(&mut bytes, converted.numel())?;
+            Ok((bytes, Vec::new()))
+        }
+        ExpertEncoding::Quant(bits) => {
+            let weights = Vec::<f32>::try_from(t.to_f32_tensor()?.f_flatten(0, -1)?)?;
+            crate::quant::quantize(&weights, t.rows, t.cols, bits)
+                .map_err(|e| Error::tensor(t.path, &t.name, e.to_string()))
+        }
+    }
+}
+
+/// Writes a copy of bundle `source` into `out` with its experts re-encoded by `bits`
+/// (decoded to f32 and quantized again; non-expert files copied as they are).
+pub fn requantize_bundle(source: &Path, out: &Path, bits: &BitPlan) -> Result<()> {
+    use crate::bundle::Bundle;
+    let bundle = Bundle::open(source)?;
+    let spec = bundle.config.model.clone();
+    let store = bundle.open_store()?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let config_out = out.join(CONFIG_FILE);
+    if config_out.exists() {
+        std::fs::remove_file(&config_out).map_err(|e| Error::io(&config_out, e))?;
+    }
+    let plan: Vec<_> = store
+        .index()
+        .experts
+        .iter()
+        .map(|e| (e.id, bits.encoding(e.id).unwrap_or(e.encoding)))
+        .collect();
+    let store_path = out.join(EXPERTS_FILE);
+    let mut writer = ExpertStoreWriter::create(&store_path, &spec.expert_layout(), &plan)?;
+    let mut slot = crate::store::AlignedBuf::new(store.max_padded_expert_bytes() as usize);
+    let mut scratch = crate::runtime::codec::expert_scratch(&spec);
+    for &(id, encoding) in &plan {
+        let entry = store.entry(id).expect("listed by the store").clone();
+        store.read_expert(id, slot.as_mut_slice())?;
+        crate::runtime::codec::decode_expert(&entry, slot.as_slice(), &mut scratch)?;
+        let (matrices, length) = spec.expert_layout().blob(encoding);
+        let mut blob = vec![0u8; length as usize];
+        for (m, t) in matrices.iter().zip(&scratch) {
+            let values = Vec::<f32>::try_from(t.f_flatten(0, -1)?)?;
+            let bytes = values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>();
+            let view = MatrixBytes {
+                name: format!("{id} {}", m.name),
+                path: &store_path,
+                dtype: WeightDtype::F32,
+                rows: m.rows as usize,
+                cols: m.cols as usize,
+                data: &bytes,
+            };
+            let (packed, scales) = stored_bytes(&view, encoding)?;
+            blob[m.offset as usize..(m.offset + m.bytes) as usize].copy_from_slice(&packed);
+            let at = m.scales_offset as usize;
+            for (i, s) in scales.iter().enumerate() {
+                blob[at + 4 * i..at + 4 * i + 4].copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        writer.write_next(&blob)?;
+    }
+    writer.finish()?;
+    for file in [RESIDENT_FILE, TOKENIZER_FILE, crate::dictionary::PATHS_FILE] {
+        let from = source.join(file);
+        if from.exists() {
+            let to = out.join(file);
+            std::fs::copy(&from, &to).map_err(|e| Error::io(&to, e))?;
+        }
+    }
+    let json = serde_json::to_string_pretty(&bundle.config).expect("config serializes");
+    std::fs::write(&config_out, json + "\n").map_err(|e| Error::io(&config_out, e))
+}

@@ -1,0 +1,174 @@
+//! What the path dictionary says about the next MoE layer, during a run: after each layer has
+//! routed, the experts worth prefetching for the next one (most probable first), and how the
+//! dictionary's top-1 guesses did against the router. Also the offline activation frequencies
+//! that seed the eviction policy.
+//!
+//! With top-k routing a layer's experts are a set: the dictionary gives, per expert, the
+//! probability that it is among a token's k, and a guess counts as right when the token's
+//! experts include it.
+
+use std::sync::Arc;
+
+use crate::cache::policy::LayerMap;
+use crate::dictionary::PathDictionary;
+use crate::ids::{ExpertId, Stack};
+
+use super::stats::DictionaryStats;
+
+/// Least probability that an expert is among a token's experts (or, over several tokens, the
+/// mean of it) for the dictionary's prediction to be prefetched.
+pub const PREFETCH_MIN_PROBABILITY: f64 = 0.1;
+
+/// The dictionary's view of the forward call in progress.
+pub struct Predictor {
+    dictionary: Arc<PathDictionary>,
+    layers: LayerMap,
+    /// Experts chosen at the MoE layers already run in this forward call: per layer, `k` per
+    /// token (as `routed` got them).
+    history: Vec<Vec<u16>>,
+    /// Experts per token of the layers in `history`.
+    history_k: usize,
+    history_stack: Option<Stack>,
+    /// The top-1 guess per token for the layer routed next: (stack, block, guesses).
+    guesses: Option<(Stack, usize, Vec<u16>)>,
+}
+
+impl Predictor {
+    pub fn new(dictionary: Arc<PathDictionary>, layers: LayerMap) -> Self {
+        Predictor {
+            dictionary,
+            layers,
+            history: Vec::new(),
+            history_k: 1,
+            history_stack: None,
+            guesses: None,
+        }
+    }
+
+    /// A new forward call of `stack` starts: the path so far is forgotten.
+    pub fn begin_step(&mut self, stack: Stack) {
+        self.history.clear();
+        self.history_stack = Some(stack);
+    }
+
+    /// The router of block `block` of `stack` chose `experts` (`k` per token, tokens
+    /// row-major). Scores the guesses made for this layer into `stats` and returns the experts
+    /// of the next MoE block worth prefetching, most probable first.
+    pub fn routed(
+        &mut self,
+        stack: Stack,
+        block: usize,
+        k: usize,
+        experts: &[u16],
+        stats: &mut DictionaryStats,
+    ) -> Vec<ExpertId> {
+        let k = k.max(1);
+        let tokens = experts.len() / k;
+        if let Some((s, b, guesses)) = self.guesses.take() {
+            if s == stack && b == block && guesses.len() == tokens {
+                stats.predictions += guesses.len() as u64;
+                stats.top1_correct += guesses
+                    .iter()
+                    .zip(experts.chunks(k))
+                    .filter(|(g, set)| set.contains(g))
+                    .count() as u64;
+                stats.top1_accuracy = stats.top1_correct as f64 / stats.predictions.max(1) as f64;
+            }
+        }
+        if self.history_stack != Some(stack) || self.history_k != k {
+            self.history.clear();
+            self.history_stack = Some(stack);
+            self.history_k = k;
+        }
+        self.history.push(experts.to_vec());
+
+        let Some((next_stack, next_block)) = self.next_moe_block(stack, block) else {
+            return Vec::new();
+        };
+        let Some(next_moe) = self.layers.moe_index(next_stack, next_block) else {
+            return Vec::new();
+        };
+        let paths = self.dictionary.stack(next_stack);
+        // Within a stack the path so far predicts the next layer; across the boundary (and to
+        // the next token) only the layer's frequencies do.
+        let same_call = next_stack == stack && next_moe > 0 && paths.top_k == k;
+        let tokens = if same_call { tokens } else { 1 };
+        // Summed over tokens: the probability that each expert is among a token's experts.
+        let mut mass = vec![0.0f64; paths.num_experts];
+        let mut guesses = Vec::with_capacity(tokens);
+        let mut history = Vec::new();
+        for t in 0..tokens {
+            history.clear();
+            if same_call {
+                for layer in &self.history {
+                    history.extend_from_slice(&layer[t * k..(t + 1) * k]);
+                }
+            }
+            let p = paths.predict(next_moe, &history);
+            let best = p
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
+                .map_or(0, |(e, _)| e as u16);
+            guesses.push(best);
+            for (m, q) in mass.iter_mut().zip(&p) {
+                *m += q;
+            }
+        }
+        if same_call {
+            self.guesses = Some((next_stack, next_block, guesses));
+        }
+        let mut order: Vec<usize> = (0..mass.len()).collect();
+        order.sort_by(|&a, &b| mass[b].total_cmp(&mass[a]));
+        order
+            .into_iter()
+            .take_while(|&expert| mass[expert] >= PREFETCH_MIN_PROBABILITY * tokens as f64)
+            .map(|expert| ExpertId {
+                stack: next_stack,
+                layer: next_block as u16,
+                expert: expert as u16,
+            })
+            .collect()
+    }
+
+    /// The MoE block that runs after `block` of `stack`, across the encoder/decoder boundary
+    /// and from the decoder's last MoE layer to its first (the next token).
+    fn next_moe_block(&self, stack: Stack, block: usize) -> Option<(Stack, usize)> {
+        if let Some(next) = self.layers.next_block(stack, block) {
+            return Some((stack, next));
+        }
+        self.layers
+            .blocks(Stack::Decoder)
+            .first()
+            .map(|&b| (Stack::Decoder, b))
+    }
+}
+
+/// Offline activation frequency of every expert, from the dictionary (empty without one).
+pub fn seeds(
+    layers: &LayerMap,
+    num_experts: usize,
+    dictionary: Option<&PathDictionary>,
+) -> Vec<(ExpertId, f64)> {
+    let Some(dict) = dictionary else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for stack in [Stack::Encoder, Stack::Decoder] {
+        for (moe, &block) in layers.blocks(stack).iter().enumerate() {
+            for (expert, p) in dict.stack(stack).frequencies(moe).into_iter().enumerate() {
+                if expert < num_experts {
+                    out.push((
+                        ExpertId {
+                            stack,
+                            layer: block as u16,
+                            expert: expert as u16,
+                        },
+                        p,
+                    ));
+                }
+            }
+        }
+    }
+    out
+}

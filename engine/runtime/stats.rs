@@ -1,0 +1,103 @@
+//! The counters every expert provider keeps: accesses, hits, bytes read, stalls, prefetch and
+//! dictionary accuracy, overall and per MoE layer.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::ids::{ExpertId, Stack};
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct LayerStats {
+    pub stack: String,
+    pub block: u16,
+    pub accesses: u64,
+    pub hits: u64,
+    pub hit_ratio: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct PrefetchStats {
+    /// Reads handed to the prefetch thread.
+    pub issued: u64,
+    /// Prefetched experts that a later demand used.
+    pub useful: u64,
+    /// Requests dropped before their read started.
+    pub cancelled: u64,
+    /// Bytes the prefetch thread read.
+    pub bytes_read: u64,
+    /// Bytes of prefetched experts evicted or dropped without being used.
+    pub wasted_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct DictionaryStats {
+    /// Tokens × MoE layers for which the dictionary predicted the expert ahead of routing.
+    pub predictions: u64,
+    /// Predictions whose most probable expert was the one chosen.
+    pub top1_correct: u64,
+    pub top1_accuracy: f64,
+}
+
+/// Counters every provider keeps.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ExpertStats {
+    /// Demand requests for an expert (one per MoE layer per expert that has tokens routed to
+    /// it in a forward call).
+    pub accesses: u64,
+    /// Demand requests served without a read of their own (resident or already being read).
+    pub hits: u64,
+    /// Demand requests that read the expert on the compute thread (demand misses).
+    pub misses: u64,
+    /// All bytes read from the expert store (demand and prefetch).
+    pub bytes_read: u64,
+    /// Time the compute thread spent reading (demand misses).
+    pub read_ms: f64,
+    /// Time the compute thread waited for expert bytes: its own reads plus waits for reads in
+    /// flight on the prefetch thread.
+    pub stall_ms: f64,
+    pub prefetch: PrefetchStats,
+    pub dictionary: DictionaryStats,
+    #[serde(skip)]
+    per_layer: BTreeMap<(Stack, u16), (u64, u64)>,
+}
+
+impl ExpertStats {
+    pub fn hit_ratio(&self) -> f64 {
+        if self.accesses == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.accesses as f64
+        }
+    }
+
+    pub(crate) fn record(&mut self, id: ExpertId, hit: bool) {
+        self.accesses += 1;
+        let layer = self.per_layer.entry((id.stack, id.layer)).or_default();
+        layer.0 += 1;
+        if hit {
+            self.hits += 1;
+            layer.1 += 1;
+        } else {
+            self.misses += 1;
+        }
+    }
+
+    /// Hit ratio of every MoE layer, encoder first.
+    pub fn per_layer(&self) -> Vec<LayerStats> {
+        self.per_layer
+            .iter()
+            .map(|(&(stack, block), &(accesses, hits))| LayerStats {
+                stack: stack.hf_prefix().into(),
+                block,
+                accesses,
+                hits,
+                hit_ratio: if accesses == 0 {
+                    0.0
+                } else {
+                    hits as f64 / accesses as f64
+                },
+            })
+            .collect()
+    }
+}
