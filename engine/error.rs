@@ -1,5 +1,9 @@
 //! The library's one error type. Every variant carries the context a user needs to fix the
-//! problem: which file, which tensor, which expert, what was expected and what was found.
+//! problem: which file, which tensor, which expert, what was expected and what was found. The
+//! variants say whose the problem is: the user's input or flags ([`Error::Input`]), a file that
+//! is not what it claims ([`Error::Format`], [`Error::Unsupported`], [`Error::Tensor`]), a
+//! damaged bundle ([`Error::Corrupt`], [`Error::Checksum`]), or the engine itself
+//! ([`Error::Internal`]: a broken invariant or a thread that died, never the user's doing).
 
 use std::path::PathBuf;
 
@@ -54,9 +58,26 @@ pub enum Error {
         minimum_bytes: u64,
     },
 
-    /// Bad user input: an empty document, an unparsable budget, a JSON line without text.
+    /// A bundle file damaged after it was written: a truncated expert store, an index that
+    /// fails its checksum or disagrees with the model, an expert whose blob is missing.
+    #[error("{}: {message}{}; the model bundle is damaged, convert the model again",
+        path.display(),
+        expert.map(|e| format!(" ({e})")).unwrap_or_default())]
+    Corrupt {
+        path: PathBuf,
+        expert: Option<ExpertId>,
+        message: String,
+    },
+
+    /// Bad user input: an empty document, an unparsable budget, a JSON line without text,
+    /// options that do not go together.
     #[error("{0}")]
     Input(String),
+
+    /// A failure of the engine itself (a broken invariant, a worker thread that stopped); not
+    /// caused by the user's input.
+    #[error("internal error: {0} (this is a bug in edgemoe; please report it)")]
+    Internal(String),
 
     #[error("{}: tokenizer: {message}", path.display())]
     Tokenizer { path: PathBuf, message: String },
@@ -78,6 +99,18 @@ impl Error {
     pub fn format(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         Error::Format {
             path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn corrupt(
+        path: impl Into<PathBuf>,
+        expert: Option<ExpertId>,
+        message: impl Into<String>,
+    ) -> Self {
+        Error::Corrupt {
+            path: path.into(),
+            expert,
             message: message.into(),
         }
     }

@@ -118,7 +118,7 @@ pub fn run_child(mut command: Command, cgroup: Option<&Cgroup>) -> Result<std::p
     }
     command
         .output()
-        .map_err(|e| Error::Input(format!("cannot run the benchmark child process: {e}")))
+        .map_err(|e| Error::Internal(format!("cannot run the benchmark child process: {e}")))
 }
 
 /// A progress bar over the matrix.

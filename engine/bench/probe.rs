@@ -137,7 +137,7 @@ pub fn measure(
     }
     for t in threads {
         t.join()
-            .map_err(|_| Error::Input("a probe thread panicked".into()))?
+            .map_err(|_| Error::Internal("a probe thread panicked".into()))?
             .map_err(|e| Error::io(&file.path, e))?;
     }
     let secs = started.elapsed().as_secs_f64();

@@ -31,7 +31,7 @@ impl ExpertWeights {
                 up: m(1),
                 down: m(2),
             }),
-            other => Err(Error::Input(format!(
+            other => Err(Error::Internal(format!(
                 "{id}: unknown expert matrices {other:?}"
             ))),
         }

@@ -114,7 +114,7 @@ pub fn quantize(
 ) -> Result<(Vec<u8>, Vec<f32>)> {
     let (elements, packed_len) = sizes(rows, cols, bits)?;
     if weights.len() != elements {
-        return Err(Error::Input(format!(
+        return Err(Error::Internal(format!(
             "quantize: {} weights for a [{rows}, {cols}] matrix ({elements} expected)",
             weights.len()
         )));
@@ -164,19 +164,19 @@ fn check_dequantize(
     let (elements, packed_len) = sizes(rows, cols, bits)?;
     let what = format!("dequantize: [{rows}, {cols}] {} matrix", bits.name());
     if packed.len() != packed_len {
-        return Err(Error::Input(format!(
+        return Err(Error::Internal(format!(
             "{what}: {} packed bytes, {packed_len} expected",
             packed.len()
         )));
     }
     if scales.len() != rows {
-        return Err(Error::Input(format!(
+        return Err(Error::Internal(format!(
             "{what}: {} scales, {rows} expected",
             scales.len()
         )));
     }
     if out.len() != elements {
-        return Err(Error::Input(format!(
+        return Err(Error::Internal(format!(
             "{what}: output holds {} values, {elements} expected",
             out.len()
         )));

@@ -124,7 +124,7 @@ impl ExpertBuffer {
         let store = Arc::new(store);
         let prefetcher = if options.prefetch {
             let p = Prefetcher::spawn(store.clone(), slots)
-                .map_err(|e| Error::Input(format!("cannot start the prefetch thread: {e}")))?;
+                .map_err(|e| Error::Internal(format!("cannot start the prefetch thread: {e}")))?;
             Some(p)
         } else {
             None
@@ -266,7 +266,9 @@ impl ExpertBuffer {
                 .prefetcher
                 .as_ref()
                 .and_then(Prefetcher::recv)
-                .ok_or_else(|| Error::Input("the prefetch thread stopped unexpectedly".into()))?;
+                .ok_or_else(|| {
+                    Error::Internal("the prefetch thread stopped unexpectedly".into())
+                })?;
             let this = done.id;
             self.complete(done)?;
             if id.is_none() || id == Some(this) {
@@ -335,7 +337,7 @@ impl ExpertBuffer {
                 None => {
                     // Every slot is being read or computed on: wait for a read to land.
                     if self.in_flight.is_empty() {
-                        return Err(Error::Input(format!(
+                        return Err(Error::Internal(format!(
                             "no expert slot can be freed for {id} (buffer of {} slots)",
                             self.table.len()
                         )));
@@ -386,7 +388,7 @@ impl ExpertBuffer {
         {
             self.memory[slot] = Some(request.memory);
             self.table.remove(id);
-            return Err(Error::Input(
+            return Err(Error::Internal(
                 "the prefetch thread stopped unexpectedly".into(),
             ));
         }

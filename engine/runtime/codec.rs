@@ -11,7 +11,7 @@ use crate::store::{ExpertEncoding, ExpertEntry};
 /// entry in blob order (`wi`, `wo` or `gate`, `up`, `down`), without allocating.
 pub fn decode_expert(entry: &ExpertEntry, bytes: &[u8], out: &mut [Tensor]) -> Result<()> {
     if out.len() != entry.matrices.len() {
-        return Err(Error::Input(format!(
+        return Err(Error::Internal(format!(
             "{}: {} matrices stored, {} scratch tensors",
             entry.id,
             entry.matrices.len(),
@@ -24,10 +24,10 @@ pub fn decode_expert(entry: &ExpertEntry, bytes: &[u8], out: &mut [Tensor]) -> R
         let end = start + m.bytes as usize;
         let stored = bytes
             .get(start..end)
-            .ok_or_else(|| Error::Input(format!("{}: `{name}` outside its blob", entry.id)))?;
+            .ok_or_else(|| Error::Internal(format!("{}: `{name}` outside its blob", entry.id)))?;
         let (rows, cols) = (m.rows as usize, m.cols as usize);
         if out.numel() != rows * cols || out.kind() != Kind::Float || !out.is_contiguous() {
-            return Err(Error::Input(format!(
+            return Err(Error::Internal(format!(
                 "{}: scratch shape mismatch for `{name}`",
                 entry.id
             )));
@@ -37,13 +37,13 @@ pub fn decode_expert(entry: &ExpertEntry, bytes: &[u8], out: &mut [Tensor]) -> R
                 let scales = bytes
                     .get(m.scales_offset as usize..(m.scales_offset + m.scales_bytes) as usize)
                     .ok_or_else(|| {
-                        Error::Input(format!("{}: `{name}` scales outside its blob", entry.id))
+                        Error::Internal(format!("{}: `{name}` scales outside its blob", entry.id))
                     })?;
                 // Scales sit on a 64-byte boundary of a page-aligned slot.
                 // SAFETY: any 4 initialised bytes are a valid f32.
                 let (head, scales, tail) = unsafe { scales.align_to::<f32>() };
                 if !head.is_empty() || !tail.is_empty() {
-                    return Err(Error::Input(format!("{}: misaligned scales", entry.id)));
+                    return Err(Error::Internal(format!("{}: misaligned scales", entry.id)));
                 }
                 // SAFETY: `out` is a contiguous f32 CPU tensor of rows × cols elements that
                 // nothing else reads while this slice lives.

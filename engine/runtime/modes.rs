@@ -187,7 +187,7 @@ impl ExpertProvider for MappedExperts {
         let entry = self
             .store
             .entry(id)
-            .ok_or_else(|| Error::Input(format!("{id} is not in the store")))?
+            .ok_or_else(|| Error::Internal(format!("{id} is not in the store")))?
             .clone();
         let (start, len) = (entry.offset as usize, entry.length as usize);
         let started = Instant::now();

@@ -98,7 +98,7 @@ impl ResidentExperts {
     /// Uses `width` for `id` from now on (it must have been loaded).
     pub fn set_width(&mut self, id: ExpertId, width: ExpertEncoding) -> Result<()> {
         if !self.variants.contains_key(&(id, width)) {
-            return Err(Error::Input(format!(
+            return Err(Error::Internal(format!(
                 "{id} was not loaded at width {}",
                 width.name()
             )));
@@ -139,7 +139,7 @@ impl ExpertProvider for ResidentExperts {
             .get(&id)
             .or_else(|| self.stored.get(&id))
             .copied()
-            .ok_or_else(|| Error::Input(format!("{id} is not in the model")))?;
+            .ok_or_else(|| Error::Internal(format!("{id} is not in the model")))?;
         let matrices = &self.variants[&(id, width)];
         let names: Vec<&str> = self.names[&id].iter().map(String::as_str).collect();
         self.stats.accesses += 1;

@@ -95,8 +95,9 @@ impl ExpertStore {
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         let mut header = [0u8; HEADER_BYTES];
         file.read_exact_at(&mut header, 0).map_err(|_| {
-            Error::format(
+            Error::corrupt(
                 path,
+                None,
                 format!("truncated expert store: {file_len} bytes, shorter than its {HEADER_BYTES}-byte header"),
             )
         })?;
@@ -116,8 +117,9 @@ impl ExpertStore {
         let index_len = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
         let index_crc = u32::from_le_bytes(header[24..28].try_into().expect("4 bytes"));
         if HEADER_BYTES as u64 + index_len > file_len {
-            return Err(Error::format(
+            return Err(Error::corrupt(
                 path,
+                None,
                 format!(
                     "truncated expert store: index needs {index_len} bytes, file has {file_len}"
                 ),
@@ -127,62 +129,60 @@ impl ExpertStore {
         file.read_exact_at(&mut index_bytes, HEADER_BYTES as u64)
             .map_err(|e| Error::io(path, e))?;
         if crc32fast::hash(&index_bytes) != index_crc {
-            return Err(Error::format(
+            return Err(Error::corrupt(
                 path,
+                None,
                 "expert store index is corrupted (checksum mismatch)",
             ));
         }
-        let index: StoreIndex = bincode::deserialize(&index_bytes)
-            .map_err(|e| Error::format(path, format!("cannot decode expert store index: {e}")))?;
+        let index: StoreIndex = bincode::deserialize(&index_bytes).map_err(|e| {
+            Error::corrupt(path, None, format!("cannot decode expert store index: {e}"))
+        })?;
         let mut lookup = std::collections::HashMap::new();
         for (i, entry) in index.experts.iter().enumerate() {
             if lookup.insert(entry.id, i).is_some() {
-                return Err(Error::format(
+                return Err(Error::corrupt(
                     path,
-                    format!("{} appears twice in the index", entry.id),
+                    Some(entry.id),
+                    "appears twice in the index",
                 ));
             }
             let (expected, length) = layout.blob(entry.encoding);
             if entry.matrices != expected || entry.length != length {
-                return Err(Error::format(
+                return Err(Error::corrupt(
                     path,
-                    format!(
-                        "{}: stored layout does not match the model config",
-                        entry.id
-                    ),
+                    Some(entry.id),
+                    "stored layout does not match the model config",
                 ));
             }
             if entry.offset % BLOB_ALIGN != 0 {
-                return Err(Error::format(
+                return Err(Error::corrupt(
                     path,
-                    format!(
-                        "{}: blob offset {} is not page-aligned",
-                        entry.id, entry.offset
-                    ),
+                    Some(entry.id),
+                    format!("blob offset {} is not page-aligned", entry.offset),
                 ));
             }
             let end = entry.offset.saturating_add(entry.length);
             if end > file_len {
-                return Err(Error::format(
+                return Err(Error::corrupt(
                     path,
+                    Some(entry.id),
                     format!(
-                        "truncated expert store: {} needs bytes {}..{}, the file has {file_len}",
-                        entry.id, entry.offset, end
+                        "truncated expert store: needs bytes {}..{}, the file has {file_len}",
+                        entry.offset, end
                     ),
                 ));
             }
         }
         for id in &layout.experts {
             if !lookup.contains_key(id) {
-                return Err(Error::format(
-                    path,
-                    format!("{id} is missing from the index"),
-                ));
+                return Err(Error::corrupt(path, Some(*id), "missing from the index"));
             }
         }
         if lookup.len() != layout.experts.len() {
-            return Err(Error::format(
+            return Err(Error::corrupt(
                 path,
+                None,
                 "the index lists experts the model config does not have",
             ));
         }
@@ -293,7 +293,7 @@ impl ExpertStore {
     pub fn read_expert(&self, id: ExpertId, dest: &mut [u8]) -> Result<u64> {
         let entry = self
             .entry(id)
-            .ok_or_else(|| Error::format(&self.path, format!("{id} is not in this store")))?;
+            .ok_or_else(|| Error::corrupt(&self.path, Some(id), "not in this store"))?;
         let len = entry.length as usize;
         // Direct reads move whole padded blobs (aligned offset, length and buffer).
         let read_len = match self.direct {
@@ -301,10 +301,10 @@ impl ExpertStore {
             None => len,
         };
         let dest = dest.get_mut(..read_len).ok_or_else(|| {
-            Error::format(
-                &self.path,
-                format!("{id}: blob of {read_len} bytes does not fit the slot"),
-            )
+            Error::Internal(format!(
+                "{}: {id}: blob of {read_len} bytes does not fit the slot",
+                self.path.display()
+            ))
         })?;
         let done = self.pacer.as_ref().map(|p| p.book(read_len as u64));
         let file = self.direct.as_ref().unwrap_or(&self.file);
