@@ -48,7 +48,10 @@ fn kernels(c: &mut Criterion) {
         b.iter(|| black_box(expert_forward(&x64, &w).unwrap()))
     });
 
-    let model = bundle.load_model().unwrap();
+    let model = match bundle.load_model(tch::Device::Cpu).unwrap() {
+        edgemoe::model::Model::Switch(model) => model,
+        _ => panic!("a Switch bundle"),
+    };
     let source: Vec<i64> = (0..64).map(|i| 100 + i).chain([1]).collect();
     let encoded = model
         .encode(&source, &mut experts, &mut Vec::new())

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::BundleConfig;
 use crate::error::{Error, Result};
-use crate::model::{DecoderOnlyModel, SwitchModel};
+use crate::model::Model;
 use crate::store::ExpertStore;
 use crate::tokenizer::Tokenizer;
 use crate::weights::WeightFiles;
@@ -65,27 +65,28 @@ impl Bundle {
         self.dir.join(file)
     }
 
-    /// The encoder-decoder (Switch Transformers) model of the bundle.
-    pub fn load_model(&self) -> Result<SwitchModel> {
-        self.load_model_on(tch::Device::Cpu)
+    /// The model's resident weights on `device` (decoder-only models run on the CPU).
+    pub fn load_model(&self, device: tch::Device) -> Result<Model> {
+        let files = WeightFiles::open_file(&self.path(RESIDENT_FILE))?;
+        Model::load(&self.config.model, &files, device)
     }
 
-    /// The Switch model's resident weights on `device`.
-    pub fn load_model_on(&self, device: tch::Device) -> Result<SwitchModel> {
-        let spec = self.config.model.as_switch().ok_or_else(|| {
-            self.wrong_kind("a decoder-only model: use `edgemoe generate` with it")
-        })?;
-        let files = WeightFiles::open_file(&self.path(RESIDENT_FILE))?;
-        SwitchModel::load_on(spec, &files, device)
+    /// Fails unless the bundle holds an encoder-decoder model (what `summarize` and `eval` run).
+    pub fn expect_encoder_decoder(&self) -> Result<()> {
+        match self.config.model.as_switch() {
+            Some(_) => Ok(()),
+            None => Err(self.wrong_kind("a decoder-only model: use `edgemoe generate` with it")),
+        }
     }
 
-    /// The decoder-only (Mixtral, Qwen2-MoE, OLMoE) model of the bundle.
-    pub fn load_decoder_only(&self) -> Result<DecoderOnlyModel> {
-        let spec = self.config.model.as_decoder().ok_or_else(|| {
-            self.wrong_kind("an encoder-decoder model: use `edgemoe summarize` with it")
-        })?;
-        let files = WeightFiles::open_file(&self.path(RESIDENT_FILE))?;
-        DecoderOnlyModel::load(spec, &files)
+    /// Fails unless the bundle holds a decoder-only model (what `generate` runs).
+    pub fn expect_decoder_only(&self) -> Result<()> {
+        match self.config.model.as_decoder() {
+            Some(_) => Ok(()),
+            None => {
+                Err(self.wrong_kind("an encoder-decoder model: use `edgemoe summarize` with it"))
+            }
+        }
     }
 
     fn wrong_kind(&self, what: &str) -> Error {

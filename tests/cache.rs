@@ -13,8 +13,9 @@ use edgemoe::cache::replay::replay;
 use edgemoe::cache::trace::read_trace;
 use edgemoe::cache::Policy;
 use edgemoe::dictionary::PATHS_FILE;
-use edgemoe::generation::seq2seq::DecodeOptions;
-use edgemoe::generation::session::{parse_documents, CacheOptions, RunOptions, Summarizer};
+use edgemoe::generation::decoding::DecodeOptions;
+use edgemoe::generation::input::parse_documents;
+use edgemoe::generation::session::{CacheOptions, Session, SessionOptions};
 use edgemoe::ids::Stack;
 use edgemoe::offline::calibrate::{build_dictionary, collect_paths};
 
@@ -57,18 +58,19 @@ fn big() -> u64 {
     1 << 30
 }
 
-fn open(bundle: &Path, budget: u64, cache: CacheOptions, beams: Option<usize>) -> Summarizer {
-    let generation = Bundle::open(bundle).unwrap().config.generation;
+fn open(bundle: &Path, budget: u64, cache: CacheOptions, beams: Option<usize>) -> Session {
+    let bundle = Bundle::open(bundle).unwrap();
+    let generation = bundle.config.generation.clone();
     let mut decode = DecodeOptions::from_defaults(&generation);
     if let Some(b) = beams {
         decode.num_beams = b;
     }
-    Summarizer::open(
-        bundle,
-        RunOptions {
+    Session::open(
+        &bundle,
+        SessionOptions {
             budget_bytes: budget,
             decode,
-            max_source_tokens: generation.max_source_tokens,
+            max_input_tokens: generation.max_source_tokens,
             cache,
             device: tch::Device::Cpu,
         },
@@ -81,11 +83,11 @@ fn test_dialogues(n: usize) -> Vec<String> {
     parse_documents(&text, "test").unwrap()[..n].to_vec()
 }
 
-fn summarize_all(summarizer: &mut Summarizer, docs: &[String]) -> Vec<Vec<i64>> {
+fn summarize_all(summarizer: &mut Session, docs: &[String]) -> Vec<Vec<i64>> {
     docs.iter()
         .map(|d| {
-            let ids = summarizer.encode_document(d).unwrap();
-            summarizer.generate_ids(&ids).unwrap().tokens
+            let ids = summarizer.encode(d).unwrap();
+            summarizer.run(&ids, &mut |_| Ok(())).unwrap().tokens
         })
         .collect()
 }

@@ -16,7 +16,8 @@ use std::sync::Arc;
 use edgemoe::bundle::{Bundle, EXPERTS_FILE};
 use edgemoe::cache::Policy;
 use edgemoe::dictionary::PathDictionary;
-use edgemoe::generation::causal::{complete, CompletionOptions};
+use edgemoe::generation::causal::complete;
+use edgemoe::generation::decoding::DecodeOptions;
 use edgemoe::generation::sampling::Sampling;
 use edgemoe::ids::ExpertId;
 use edgemoe::ids::Stack;
@@ -73,9 +74,15 @@ fn convert_fixture(hf: &Path, dir: &Path, bits: BitPlan) -> PathBuf {
     out
 }
 
-fn greedy_options(golden: &Golden) -> CompletionOptions {
-    CompletionOptions {
+fn greedy_options(golden: &Golden) -> DecodeOptions {
+    DecodeOptions {
         max_new_tokens: golden.max_new_tokens,
+        num_beams: 1,
+        length_penalty: 1.0,
+        early_stopping: edgemoe::config::EarlyStopping::False,
+        no_repeat_ngram_size: 0,
+        decoder_start_token_id: 0,
+        eos_token_id: 0,
         sampling: Sampling::Greedy,
         stop_token_ids: vec![0],
     }
@@ -88,7 +95,7 @@ fn check_fixture(name: &str) {
     let bundle = Bundle::open(&bundle_dir).unwrap();
     let spec = bundle.config.model.clone();
     let decoder = spec.as_decoder().unwrap().clone();
-    let model = bundle.load_decoder_only().unwrap();
+    let model = common::decoder_only_model(&bundle);
     let tokenizer = bundle.tokenizer().unwrap();
     let total_experts = bundle.open_store().unwrap().index().experts.len();
     let options = greedy_options(&golden);
@@ -342,7 +349,7 @@ fn quantized_swiglu_experts_decode_exactly_and_run() {
             assert_eq!(got, expected, "{id} {m}");
         }
     }
-    let model = bundle.load_decoder_only().unwrap();
+    let model = common::decoder_only_model(&bundle);
     let golden = golden("tiny-qwen2-moe");
     let g = complete(
         &model,
@@ -667,7 +674,7 @@ fn top_k_traces_replay_to_the_live_hit_counts() {
     );
     let bundle = Bundle::open(&bundle_dir).unwrap();
     let spec = bundle.config.model.clone();
-    let model = bundle.load_decoder_only().unwrap();
+    let model = common::decoder_only_model(&bundle);
     let options = greedy_options(&golden);
     let mut reference = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, 64);
     let paths: Vec<_> = golden

@@ -9,7 +9,9 @@ use common::assert_close;
 
 use edgemoe::bundle::Bundle;
 use edgemoe::config::EarlyStopping;
-use edgemoe::generation::seq2seq::{generate, DecodeOptions};
+use edgemoe::generation::decoding::DecodeOptions;
+use edgemoe::generation::sampling::Sampling;
+use edgemoe::generation::seq2seq::generate;
 use edgemoe::ids::Stack;
 use edgemoe::model::LayerRoute;
 use edgemoe::runtime::buffer::ExpertBuffer;
@@ -63,7 +65,7 @@ fn check_fixture(name: &str) {
     let bundle_dir = common::convert_to(&common::fixture(name), dir.path());
     let bundle = Bundle::open(&bundle_dir).unwrap();
     let spec = bundle.config.model.clone();
-    let model = bundle.load_model().unwrap();
+    let model = common::switch_model(&bundle);
     let total_experts = bundle.open_store().unwrap().index().experts.len();
     let greedy = DecodeOptions {
         max_new_tokens: golden.max_new_tokens,
@@ -73,6 +75,8 @@ fn check_fixture(name: &str) {
         no_repeat_ngram_size: 0,
         decoder_start_token_id: 0,
         eos_token_id: 1,
+        sampling: Sampling::Greedy,
+        stop_token_ids: vec![1],
     };
     let beam = DecodeOptions {
         num_beams: golden.beam.num_beams,

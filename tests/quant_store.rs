@@ -5,7 +5,8 @@
 mod common;
 
 use edgemoe::bundle::Bundle;
-use edgemoe::generation::seq2seq::{generate, DecodeOptions};
+use edgemoe::generation::decoding::DecodeOptions;
+use edgemoe::generation::seq2seq::generate;
 use edgemoe::ids::ExpertId;
 use edgemoe::ids::Stack;
 use edgemoe::model::provider::ExpertProvider;
@@ -77,7 +78,7 @@ fn mixed_width_store_decodes_exactly_and_runs() {
         }
     }
     // And the model runs on it.
-    let model = bundle.load_model().unwrap();
+    let model = common::switch_model(&bundle);
     let options = DecodeOptions::from_defaults(&bundle.config.generation);
     let g = generate(&model, &mut buffer, &[5, 9, 33, 120, 7, 1], &options).unwrap();
     assert!(!g.tokens.is_empty());

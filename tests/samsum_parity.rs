@@ -7,8 +7,9 @@
 mod common;
 
 use edgemoe::bundle::Bundle;
-use edgemoe::generation::seq2seq::DecodeOptions;
-use edgemoe::generation::session::{parse_documents, CacheOptions, RunOptions, Summarizer};
+use edgemoe::generation::decoding::DecodeOptions;
+use edgemoe::generation::input::parse_documents;
+use edgemoe::generation::session::{CacheOptions, Session, SessionOptions};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -51,15 +52,16 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
 
     let dir = tempfile::tempdir().unwrap();
     let bundle_dir = common::convert_to(&common::demo_checkpoint(), dir.path());
-    let generation = Bundle::open(&bundle_dir).unwrap().config.generation;
+    let bundle = Bundle::open(&bundle_dir).unwrap();
+    let generation = bundle.config.generation.clone();
     // 1.5 GiB holds all 64 experts; 88 MiB leaves room for about ten slots.
     for budget_mib in [1536u64, 88] {
-        let mut summarizer = Summarizer::open(
-            &bundle_dir,
-            RunOptions {
+        let mut summarizer = Session::open(
+            &bundle,
+            SessionOptions {
                 budget_bytes: budget_mib << 20,
                 decode: DecodeOptions::from_defaults(&generation),
-                max_source_tokens: generation.max_source_tokens,
+                max_input_tokens: generation.max_source_tokens,
                 // The default buffer: edgemoe policy, prefetch thread on.
                 cache: CacheOptions::default(),
                 device: tch::Device::Cpu,
@@ -69,7 +71,7 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
         let slots = summarizer.plan.slots;
         for (i, row) in expected.rows.iter().enumerate() {
             assert_eq!(ids[i], row.id, "dialogue order");
-            let source = summarizer.encode_document(&dialogues[i]).unwrap();
+            let source = summarizer.encode(&dialogues[i]).unwrap();
             assert_eq!(
                 source.len(),
                 row.source_tokens,
@@ -82,7 +84,7 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
                 "dialogue {} source ids",
                 row.id
             );
-            let generated = summarizer.generate_ids(&source).unwrap();
+            let generated = summarizer.run(&source, &mut |_| Ok(())).unwrap();
             assert_eq!(
                 generated.tokens, row.output_ids,
                 "dialogue {} at {budget_mib} MiB ({slots} slots)",

@@ -11,16 +11,16 @@ use edgemoe::cache::replay::{replay, ReplayResult};
 use edgemoe::cache::trace::read_trace;
 use edgemoe::cache::Policy;
 use edgemoe::config::profile::{DeviceKind, DeviceProfile};
-use edgemoe::config::ModelSpec;
 use edgemoe::dictionary::PATHS_FILE;
-use edgemoe::generation::causal::{CompletionOptions, GenerateOptions, TextGenerator, TextStream};
+use edgemoe::generation::causal::TextStream;
+use edgemoe::generation::decoding::DecodeOptions;
+use edgemoe::generation::input::parse_documents;
 use edgemoe::generation::report::RunStats;
 use edgemoe::generation::sampling::Sampling;
-use edgemoe::generation::seq2seq::DecodeOptions;
-use edgemoe::generation::session::{parse_documents, CacheOptions, RunOptions, Summarizer};
+use edgemoe::generation::session::{run_model, CacheOptions, Session, SessionOptions};
 use edgemoe::ids::Stack;
 use edgemoe::offline::bit_plan::BitPlan;
-use edgemoe::offline::calibrate::{build_dictionary, collect_decoder_paths, collect_paths, report};
+use edgemoe::offline::calibrate::{build_dictionary, collect_paths, report};
 use edgemoe::offline::convert::{convert, ConvertOptions};
 use edgemoe::runtime::modes::Mode;
 use edgemoe::store::{ExpertEncoding, StorageMode};
@@ -640,18 +640,18 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
         decode.no_repeat_ngram_size = n;
     }
     let settings = args.cache.resolve()?;
-    let options = RunOptions {
+    let options = SessionOptions {
         budget_bytes: settings.budget_bytes,
         decode,
-        max_source_tokens: args
+        max_input_tokens: args
             .max_source_tokens
             .map(|n| n as usize)
             .unwrap_or(generation.max_source_tokens),
         cache: settings.cache,
         device: settings.device,
     };
-    drop(bundle);
-    let mut summarizer = Summarizer::open(&args.model, options)?;
+    bundle.expect_encoder_decoder()?;
+    let mut summarizer = Session::open(&bundle, options)?;
     for warning in &summarizer.warnings {
         eprintln!("warning: {warning}");
     }
@@ -673,7 +673,7 @@ fn run_summarize(args: SummarizeArgs) -> Result<()> {
     summarizer.buffer.finish_trace()?;
     let mut stats = RunStats::new(
         &generations,
-        summarizer.buffer.stats(),
+        summarizer.stats(),
         &summarizer.plan,
         &summarizer.options.cache,
     );
@@ -714,23 +714,24 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             seed: args.seed,
         },
     };
-    let completion = CompletionOptions {
-        max_new_tokens: args.max_new_tokens.unwrap_or(generation.max_new_tokens),
-        sampling,
-        stop_token_ids: generation.stop_token_ids.clone(),
-    };
+    let mut decode = DecodeOptions::from_defaults(&generation);
+    decode.sampling = sampling;
+    if let Some(n) = args.max_new_tokens {
+        decode.max_new_tokens = n;
+    }
     let settings = args.cache.resolve()?;
     if settings.device != tch::Device::Cpu {
         anyhow::bail!("decoder-only models run on the CPU in this build: pass --device cpu");
     }
-    let options = GenerateOptions {
+    let options = SessionOptions {
         budget_bytes: settings.budget_bytes,
-        completion,
-        max_prompt_tokens: prompt_ids.len(),
+        decode,
+        max_input_tokens: prompt_ids.len(),
         cache: settings.cache,
+        device: tch::Device::Cpu,
     };
-    drop(bundle);
-    let mut generator = TextGenerator::open(&args.model, options)?;
+    bundle.expect_decoder_only()?;
+    let mut generator = Session::open(&bundle, options)?;
     for warning in &generator.warnings {
         eprintln!("warning: {warning}");
     }
@@ -738,34 +739,28 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut stream = TextStream::default();
     let mut first = true;
     let ids = args.output.ids;
-    let generated = {
-        let TextGenerator {
-            model,
-            tokenizer,
-            buffer,
-            options,
-            ..
-        } = &mut generator;
-        edgemoe::generation::causal::complete(
-            model,
-            buffer,
-            &prompt_ids,
-            &options.completion,
-            &mut |token| {
-                let mut out = stdout.lock();
-                let piece = if ids {
-                    let sep = if first { "" } else { " " };
-                    format!("{sep}{token}")
-                } else {
-                    stream.push(tokenizer, token)?
-                };
-                first = false;
-                write!(out, "{piece}")
-                    .and_then(|_| out.flush())
-                    .map_err(|e| Error::io("standard output", e))
-            },
-        )?
-    };
+    // The callback prints with the session's tokenizer while its model runs: borrow the two
+    // fields apart.
+    let Session {
+        model,
+        tokenizer,
+        buffer,
+        options,
+        ..
+    } = &mut generator;
+    let generated = run_model(model, buffer, &prompt_ids, &options.decode, &mut |token| {
+        let mut out = stdout.lock();
+        let piece = if ids {
+            let sep = if first { "" } else { " " };
+            format!("{sep}{token}")
+        } else {
+            stream.push(tokenizer, token)?
+        };
+        first = false;
+        write!(out, "{piece}")
+            .and_then(|_| out.flush())
+            .map_err(|e| Error::io("standard output", e))
+    })?;
     {
         let mut out = stdout.lock();
         if !ids {
@@ -777,7 +772,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     generator.buffer.finish_trace()?;
     let stats = RunStats::new(
         &[(prompt_ids.len(), generated)],
-        generator.buffer.stats(),
+        generator.stats(),
         &generator.plan,
         &generator.options.cache,
     );
@@ -804,55 +799,10 @@ fn run_inspect(args: InspectArgs) -> Result<()> {
         "architecture  {} (bundle format {}, source weights {})",
         bundle.config.architecture, bundle.config.format_version, bundle.config.source_dtype
     );
-    let resident_bytes = match &bundle.config.model {
-        ModelSpec::Switch(spec) => {
-            println!(
-                "shape         d_model {}, d_ff {}, {} heads × d_kv {}, vocab {}",
-                spec.d_model, spec.d_ff, spec.num_heads, spec.d_kv, spec.vocab_size
-            );
-            for stack in [Stack::Encoder, Stack::Decoder] {
-                let moe = spec.moe_blocks(stack);
-                println!(
-                    "{:<13} {} blocks, MoE at blocks {:?} ({} experts each, capacity {})",
-                    stack.hf_prefix(),
-                    spec.num_layers(stack),
-                    moe,
-                    spec.num_experts,
-                    spec.expert_capacity
-                );
-            }
-            bundle.load_model()?.resident_bytes()
-        }
-        ModelSpec::DecoderOnly(spec) => {
-            println!(
-                "shape         hidden {}, {} heads ({} key/value) × head_dim {}, vocab {}, RoPE base {}",
-                spec.hidden_size,
-                spec.num_heads,
-                spec.num_kv_heads,
-                spec.head_dim,
-                spec.vocab_size,
-                spec.rope_theta
-            );
-            println!(
-                "layers        {} layers, MoE at {:?}: {} experts of width {} each, top-{}{}{}",
-                spec.num_layers,
-                spec.moe_layers,
-                spec.num_experts,
-                spec.expert_intermediate_size,
-                spec.top_k,
-                if spec.norm_topk_prob {
-                    " (weights renormalised)"
-                } else {
-                    ""
-                },
-                match spec.shared_expert_intermediate_size {
-                    Some(s) => format!(", shared expert of width {s} (resident)"),
-                    None => String::new(),
-                }
-            );
-            bundle.load_decoder_only()?.resident_bytes()
-        }
-    };
+    for line in bundle.config.model.describe() {
+        println!("{line}");
+    }
+    let resident_bytes = bundle.load_model(tch::Device::Cpu)?.resident_bytes();
     let experts = &store.index().experts;
     println!(
         "resident      {} in memory (f32), {} on disk ({RESIDENT_FILE})",
@@ -878,17 +828,7 @@ fn run_inspect(args: InspectArgs) -> Result<()> {
         .map(|(name, (bits, n))| format!("{n} × {name} ({bits} bits)"))
         .collect();
     println!("bit widths    {}", widths.join(", "));
-    let g = &bundle.config.generation;
-    match bundle.config.model {
-        ModelSpec::Switch(_) => println!(
-            "generation    {} beams, max {} new tokens, length penalty {}, no-repeat n-gram {}, prefix {:?}",
-            g.num_beams, g.max_new_tokens, g.length_penalty, g.no_repeat_ngram_size, g.input_prefix
-        ),
-        ModelSpec::DecoderOnly(_) => println!(
-            "generation    greedy (or --temperature/--top-p), max {} new tokens, stops at {:?}",
-            g.max_new_tokens, g.stop_token_ids
-        ),
-    }
+    println!("{}", bundle.config.describe_generation());
     Ok(())
 }
 
@@ -926,45 +866,18 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
         prefetch: false,
         ..CacheOptions::default()
     };
-    let (calibration, held_out) = match &spec {
-        ModelSpec::Switch(_) => {
-            let mut summarizer = Summarizer::open(
-                &args.model,
-                RunOptions {
-                    budget_bytes: u64::MAX / 4,
-                    decode: DecodeOptions::from_defaults(&generation),
-                    max_source_tokens: generation.max_source_tokens,
-                    cache,
-                    device: tch::Device::Cpu,
-                },
-            )?;
-            (
-                collect_paths(&mut summarizer, &documents, "calibration", true)?,
-                collect_paths(&mut summarizer, &held_out_documents, "held out", true)?,
-            )
-        }
-        ModelSpec::DecoderOnly(_) => {
-            // Each document is a prompt (its last DOCUMENT_PROMPT_TOKENS tokens), followed by
-            // the model's greedy continuation.
-            let mut generator = TextGenerator::open(
-                &args.model,
-                GenerateOptions {
-                    budget_bytes: u64::MAX / 4,
-                    completion: CompletionOptions {
-                        max_new_tokens: generation.max_new_tokens,
-                        sampling: Sampling::Greedy,
-                        stop_token_ids: generation.stop_token_ids.clone(),
-                    },
-                    max_prompt_tokens: DOCUMENT_PROMPT_TOKENS,
-                    cache,
-                },
-            )?;
-            (
-                collect_decoder_paths(&mut generator, &documents, "calibration", true)?,
-                collect_decoder_paths(&mut generator, &held_out_documents, "held out", true)?,
-            )
-        }
-    };
+    // Decoder-only models take each document as a prompt (its last DOCUMENT_PROMPT_TOKENS
+    // tokens), followed by the model's greedy continuation.
+    let mut session = Session::open(
+        &bundle,
+        SessionOptions {
+            max_input_tokens: generation.max_source_tokens.min(DOCUMENT_PROMPT_TOKENS),
+            cache,
+            ..SessionOptions::defaults(&bundle, u64::MAX / 4)
+        },
+    )?;
+    let calibration = collect_paths(&mut session, &documents, "calibration", true)?;
+    let held_out = collect_paths(&mut session, &held_out_documents, "held out", true)?;
     let dict = build_dictionary(
         &calibration,
         spec.moe_blocks(Stack::Encoder).len(),
@@ -1073,12 +986,13 @@ fn run_eval(args: EvalArgs) -> Result<()> {
         decode.num_beams = b as usize;
     }
     let settings = args.cache.resolve()?;
-    let mut summarizer = Summarizer::open(
-        &args.model,
-        RunOptions {
+    bundle.expect_encoder_decoder()?;
+    let mut summarizer = Session::open(
+        &bundle,
+        SessionOptions {
             budget_bytes: settings.budget_bytes,
             decode,
-            max_source_tokens: generation.max_source_tokens,
+            max_input_tokens: generation.max_source_tokens,
             cache: settings.cache,
             device: settings.device,
         },
@@ -1168,29 +1082,13 @@ fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
     let tokenizer = bundle.tokenizer()?;
     let generation = bundle.config.generation.clone();
     let max_new_tokens = args.max_new_tokens.unwrap_or(generation.max_new_tokens);
-    let (switch_model, decoder_model);
-    let model = match &bundle.config.model {
-        ModelSpec::Switch(_) => {
-            switch_model = bundle.load_model()?;
-            let mut decode = DecodeOptions::from_defaults(&generation);
-            decode.num_beams = 1;
-            decode.max_new_tokens = max_new_tokens;
-            edgemoe::offline::tune::TuneModel::Switch {
-                model: &switch_model,
-                decode,
-            }
-        }
-        ModelSpec::DecoderOnly(_) => {
-            decoder_model = bundle.load_decoder_only()?;
-            edgemoe::offline::tune::TuneModel::DecoderOnly {
-                model: &decoder_model,
-                completion: CompletionOptions {
-                    max_new_tokens,
-                    sampling: Sampling::Greedy,
-                    stop_token_ids: generation.stop_token_ids.clone(),
-                },
-            }
-        }
+    let model = bundle.load_model(tch::Device::Cpu)?;
+    let mut decode = DecodeOptions::from_defaults(&generation);
+    decode.num_beams = 1;
+    decode.max_new_tokens = max_new_tokens;
+    let model = edgemoe::offline::tune::TuneModel {
+        model: &model,
+        decode,
     };
     let mut tuner = edgemoe::offline::tune::Tuner::new(
         model,
@@ -1199,10 +1097,8 @@ fn run_tune_bits(args: TuneBitsArgs) -> Result<()> {
         &examples,
         edgemoe::offline::tune::EvalSettings {
             prefix: generation.input_prefix.clone(),
-            max_source_tokens: match bundle.config.model {
-                ModelSpec::Switch(_) => generation.max_source_tokens,
-                ModelSpec::DecoderOnly(_) => DOCUMENT_PROMPT_TOKENS,
-            },
+            // Decoder-only models read documents as prompts: their last tokens.
+            max_source_tokens: generation.max_source_tokens.min(DOCUMENT_PROMPT_TOKENS),
         },
         &sibling(&args.out, "measurements.json"),
         true,

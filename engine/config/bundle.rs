@@ -89,3 +89,20 @@ impl BundleConfig {
         })
     }
 }
+
+impl BundleConfig {
+    /// The decoding defaults as `edgemoe inspect` prints them.
+    pub fn describe_generation(&self) -> String {
+        let g = &self.generation;
+        match self.model {
+            ModelSpec::Switch(_) => format!(
+                "generation    {} beams, max {} new tokens, length penalty {}, no-repeat n-gram {}, prefix {:?}",
+                g.num_beams, g.max_new_tokens, g.length_penalty, g.no_repeat_ngram_size, g.input_prefix
+            ),
+            ModelSpec::DecoderOnly(_) => format!(
+                "generation    greedy (or --temperature/--top-p), max {} new tokens, stops at {:?}",
+                g.max_new_tokens, g.stop_token_ids
+            ),
+        }
+    }
+}

@@ -353,3 +353,37 @@ fn windows(
         }
     }
 }
+
+impl DecoderSpec {
+    /// The shape as `edgemoe inspect` prints it, one line each.
+    pub fn describe(&self) -> Vec<String> {
+        vec![
+            format!(
+                "shape         hidden {}, {} heads ({} key/value) × head_dim {}, vocab {}, RoPE base {}",
+                self.hidden_size,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.vocab_size,
+                self.rope_theta
+            ),
+            format!(
+                "layers        {} layers, MoE at {:?}: {} experts of width {} each, top-{}{}{}",
+                self.num_layers,
+                self.moe_layers,
+                self.num_experts,
+                self.expert_intermediate_size,
+                self.top_k,
+                if self.norm_topk_prob {
+                    " (weights renormalised)"
+                } else {
+                    ""
+                },
+                match self.shared_expert_intermediate_size {
+                    Some(s) => format!(", shared expert of width {s} (resident)"),
+                    None => String::new(),
+                }
+            ),
+        ]
+    }
+}

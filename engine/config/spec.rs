@@ -161,6 +161,14 @@ impl ModelSpec {
         }
     }
 
+    /// The shape as `edgemoe inspect` prints it, one line each.
+    pub fn describe(&self) -> Vec<String> {
+        match self {
+            ModelSpec::Switch(s) => s.describe(),
+            ModelSpec::DecoderOnly(d) => d.describe(),
+        }
+    }
+
     /// What the model's expert store must hold: one expert's matrices and every expert.
     pub fn expert_layout(&self) -> ExpertLayout {
         ExpertLayout {

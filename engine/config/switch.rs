@@ -162,3 +162,24 @@ impl SwitchSpec {
         }
     }
 }
+
+impl SwitchSpec {
+    /// The shape as `edgemoe inspect` prints it, one line each.
+    pub fn describe(&self) -> Vec<String> {
+        let mut lines = vec![format!(
+            "shape         d_model {}, d_ff {}, {} heads × d_kv {}, vocab {}",
+            self.d_model, self.d_ff, self.num_heads, self.d_kv, self.vocab_size
+        )];
+        for stack in [Stack::Encoder, Stack::Decoder] {
+            lines.push(format!(
+                "{:<13} {} blocks, MoE at blocks {:?} ({} experts each, capacity {})",
+                stack.hf_prefix(),
+                self.num_layers(stack),
+                self.moe_blocks(stack),
+                self.num_experts,
+                self.expert_capacity
+            ));
+        }
+        lines
+    }
+}

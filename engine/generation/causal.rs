@@ -15,30 +15,15 @@
 //! - The record is a [`Generation`] like summarization's (`encode_ms` = the prefill), so run
 //!   statistics, traces and calibration treat both architectures alike.
 
-use std::path::Path;
 use std::time::Instant;
 
-use crate::bundle::Bundle;
-use crate::dictionary::PathDictionary;
 use crate::error::{Error, Result};
-use crate::generation::seq2seq::Generation;
 use crate::model::provider::ExpertProvider;
 use crate::model::DecoderOnlyModel;
-use crate::runtime::budget::{working_bytes, BudgetPlan, RunShape};
-use crate::runtime::modes::ExpertSource;
-use crate::runtime::setup::{CacheOptions, ExpertRuntime};
 use crate::tokenizer::Tokenizer;
 
+use super::decoding::{DecodeOptions, Generation};
 use super::sampling::{sample_top_p, Sampling, SplitMix64};
-
-/// Knobs of one generation call.
-#[derive(Debug, Clone)]
-pub struct CompletionOptions {
-    pub max_new_tokens: usize,
-    pub sampling: Sampling,
-    /// Tokens that end a generation.
-    pub stop_token_ids: Vec<i64>,
-}
 
 /// Generates up to `max_new_tokens` after `prompt`, calling `on_token` with each new token as
 /// soon as it is chosen.
@@ -46,7 +31,7 @@ pub fn complete(
     model: &DecoderOnlyModel,
     provider: &mut dyn ExpertProvider,
     prompt: &[i64],
-    options: &CompletionOptions,
+    options: &DecodeOptions,
     on_token: &mut dyn FnMut(i64) -> Result<()>,
 ) -> Result<Generation> {
     let _guard = tch::no_grad_guard();
@@ -121,86 +106,5 @@ impl TextStream {
             .to_string();
         self.printed = text;
         Ok(piece)
-    }
-}
-
-/// Options of a text-generation run that do not come from the bundle.
-#[derive(Debug, Clone)]
-pub struct GenerateOptions {
-    pub budget_bytes: u64,
-    pub completion: CompletionOptions,
-    /// Longest prompt in tokens (working memory is sized for it).
-    pub max_prompt_tokens: usize,
-    pub cache: CacheOptions,
-}
-
-/// A loaded decoder-only model with its expert buffer, ready to generate.
-pub struct TextGenerator {
-    pub model: DecoderOnlyModel,
-    pub tokenizer: Tokenizer,
-    pub buffer: ExpertSource,
-    pub plan: BudgetPlan,
-    pub options: GenerateOptions,
-    pub dictionary: Option<std::sync::Arc<PathDictionary>>,
-    pub warnings: Vec<String>,
-}
-
-impl TextGenerator {
-    pub fn open(bundle_dir: &Path, options: GenerateOptions) -> Result<Self> {
-        let bundle = Bundle::open(bundle_dir)?;
-        let tokenizer = bundle.tokenizer()?;
-        let model = bundle.load_decoder_only()?;
-        let working = working_bytes(
-            &bundle.config.model,
-            RunShape {
-                max_source_tokens: options.max_prompt_tokens,
-                max_new_tokens: options.completion.max_new_tokens,
-                beams: 1,
-            },
-        );
-        let runtime = ExpertRuntime::open(
-            &bundle,
-            options.budget_bytes,
-            model.resident_bytes(),
-            working,
-            &options.cache,
-        )?;
-        Ok(TextGenerator {
-            model,
-            tokenizer,
-            buffer: runtime.buffer,
-            plan: runtime.plan,
-            options,
-            dictionary: runtime.dictionary,
-            warnings: runtime.warnings,
-        })
-    }
-
-    /// The prompt's token ids (with the tokenizer's special tokens, e.g. a BOS), truncated to
-    /// the last `max_prompt_tokens`.
-    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<i64>> {
-        let mut ids = self.tokenizer.encode_all(prompt)?;
-        if ids.is_empty() {
-            return Err(Error::Input("the prompt produced no tokens".into()));
-        }
-        let max = self.options.max_prompt_tokens.max(1);
-        if ids.len() > max {
-            ids.drain(..ids.len() - max);
-        }
-        Ok(ids)
-    }
-
-    pub fn generate_ids(
-        &mut self,
-        prompt: &[i64],
-        on_token: &mut dyn FnMut(i64) -> Result<()>,
-    ) -> Result<Generation> {
-        complete(
-            &self.model,
-            &mut self.buffer,
-            prompt,
-            &self.options.completion,
-            on_token,
-        )
     }
 }

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use crate::generation::seq2seq::Generation;
+use crate::generation::decoding::Generation;
 use crate::generation::session::CacheOptions;
 use crate::runtime::budget::BudgetPlan;
 use crate::runtime::stats::{DictionaryStats, ExpertStats, LayerStats, PrefetchStats};

@@ -9,49 +9,12 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 
-use crate::config::{EarlyStopping, GenerationDefaults};
+use crate::config::EarlyStopping;
 use crate::error::Result;
 use crate::model::provider::ExpertProvider;
-use crate::model::{LayerRoute, SwitchModel};
+use crate::model::SwitchModel;
 
-/// Knobs of one generation call (defaults come from the bundle's generation config).
-#[derive(Debug, Clone)]
-pub struct DecodeOptions {
-    pub max_new_tokens: usize,
-    pub num_beams: usize,
-    pub length_penalty: f64,
-    pub early_stopping: EarlyStopping,
-    pub no_repeat_ngram_size: usize,
-    pub decoder_start_token_id: i64,
-    pub eos_token_id: i64,
-}
-
-impl DecodeOptions {
-    pub fn from_defaults(g: &GenerationDefaults) -> Self {
-        DecodeOptions {
-            max_new_tokens: g.max_new_tokens,
-            num_beams: g.num_beams,
-            length_penalty: g.length_penalty,
-            early_stopping: g.early_stopping,
-            no_repeat_ngram_size: g.no_repeat_ngram_size,
-            decoder_start_token_id: g.decoder_start_token_id,
-            eos_token_id: g.eos_token_id,
-        }
-    }
-}
-
-/// What one generation produced and how long it took.
-#[derive(Debug, Clone, Default)]
-pub struct Generation {
-    /// Generated ids, without the decoder start token; ends with EOS if the model emitted it.
-    pub tokens: Vec<i64>,
-    /// The encoder pass (Switch) or the prompt's prefill (decoder-only).
-    pub encode_ms: f64,
-    /// Wall time of each decoder step (one step = one new token for every beam).
-    pub step_ms: Vec<f64>,
-    /// Router decisions of every MoE layer, in execution order (encoder call, then each step).
-    pub routes: Vec<LayerRoute>,
-}
+use super::decoding::{DecodeOptions, Generation};
 
 /// Summarizes/translates one source sequence.
 pub fn generate(

@@ -1,85 +1,75 @@
-//! Summarizing documents with a bundle on a memory budget: reading the input (one document, or
-//! JSON lines with a `dialogue`/`document` field), sizing the expert buffer from the budget, and
-//! running generation.
+//! One session type for every architecture: a bundle opened on a memory budget — its model
+//! loaded, its expert store behind the expert buffer (or a baseline mode), its tokenizer — ready
+//! to turn text into token ids and run the decoding loop that fits the model's shape.
+//!
+//! `summarize`, `generate`, `eval`, `calibrate` and the service all hold a [`Session`]; which
+//! loop runs (greedy/beam search for encoder-decoders, prefill and streamed generation for
+//! decoder-only models) is decided once, by [`Model::run`].
 
-use std::path::Path;
 use std::sync::Arc;
+
+use tch::Device;
 
 use crate::bundle::Bundle;
 use crate::dictionary::PathDictionary;
 use crate::error::{Error, Result};
-use crate::generation::seq2seq::{generate, DecodeOptions, Generation};
 use crate::model::provider::ExpertProvider;
-use crate::model::SwitchModel;
-use crate::runtime::budget::{working_bytes, BudgetPlan, RunShape};
+use crate::model::{DecoderOnlyModel, Model, ModelRun, RunShape, SwitchModel};
+use crate::runtime::budget::BudgetPlan;
 use crate::runtime::modes::ExpertSource;
 pub use crate::runtime::setup::CacheOptions;
 use crate::runtime::setup::ExpertRuntime;
+use crate::runtime::stats::ExpertStats;
 use crate::tokenizer::Tokenizer;
 
-/// Splits user input into documents. Input whose first non-empty line starts with `{` is read as
-/// JSON lines, one document per line from its `dialogue` or `document` field; anything else is
-/// one document. `source` names the input in errors. Only an input with no text at all is an
-/// error; an empty `dialogue` inside JSON lines is summarized like any other.
-pub fn parse_documents(text: &str, source: &str) -> Result<Vec<String>> {
-    let first = text.lines().find(|l| !l.trim().is_empty());
-    let Some(first) = first else {
-        return Err(Error::Input(format!(
-            "empty input: {source} has no text to summarize"
-        )));
-    };
-    if !first.trim_start().starts_with('{') {
-        return Ok(vec![text.to_string()]);
-    }
-    let mut documents = Vec::new();
-    for (number, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            Error::Input(format!("{source} line {}: invalid JSON: {e}", number + 1))
-        })?;
-        let doc = ["dialogue", "document"]
-            .iter()
-            .find_map(|key| value.get(key).and_then(|v| v.as_str()))
-            .ok_or_else(|| {
-                Error::Input(format!(
-                    "{source} line {}: no string field `dialogue` or `document`",
-                    number + 1
-                ))
-            })?;
-        // An empty document still gets its (one-line) summary, so outputs stay line-aligned.
-        documents.push(doc.to_string());
-    }
-    Ok(documents)
-}
-
-/// The model's input text: `prefix` + the document with its line breaks turned into spaces (as
-/// the demo model was trained on SAMSum dialogues).
-pub fn model_input(document: &str, prefix: &str) -> String {
-    let flat = document.replace("\r\n", " ").replace(['\n', '\r'], " ");
-    format!("{prefix}{flat}")
-}
+use super::causal::complete;
+use super::decoding::{DecodeOptions, Generation};
+use super::input::model_input;
+use super::seq2seq::generate;
 
 /// Run options that do not come from the bundle.
 #[derive(Debug, Clone)]
-pub struct RunOptions {
+pub struct SessionOptions {
     pub budget_bytes: u64,
+    /// Longest input in tokens (working memory is sized for it). A longer document keeps its
+    /// first tokens (and `</s>`); a longer prompt keeps its last.
+    pub max_input_tokens: usize,
     pub decode: DecodeOptions,
-    pub max_source_tokens: usize,
     pub cache: CacheOptions,
-    /// Where the dense math runs (CPU, or CUDA on a Jetson).
-    pub device: tch::Device,
+    /// Where the dense math runs (CPU, or CUDA on a Jetson; decoder-only models run on the CPU).
+    pub device: Device,
 }
 
-/// A loaded model with its expert buffer, ready to summarize.
-pub struct Summarizer {
-    pub model: SwitchModel,
+impl SessionOptions {
+    /// The bundle's decoding defaults and input length, the default expert cache, on the CPU.
+    pub fn defaults(bundle: &Bundle, budget_bytes: u64) -> Self {
+        let generation = &bundle.config.generation;
+        SessionOptions {
+            budget_bytes,
+            max_input_tokens: generation.max_source_tokens,
+            decode: DecodeOptions::from_defaults(generation),
+            cache: CacheOptions::default(),
+            device: Device::Cpu,
+        }
+    }
+
+    fn run_shape(&self) -> RunShape {
+        RunShape {
+            max_source_tokens: self.max_input_tokens,
+            max_new_tokens: self.decode.max_new_tokens,
+            beams: self.decode.num_beams,
+        }
+    }
+}
+
+/// A loaded model with its expert buffer, ready to summarize or generate.
+pub struct Session {
+    pub model: Model,
     pub tokenizer: Tokenizer,
     /// Where experts come from (the expert buffer in `edgemoe` mode).
     pub buffer: ExpertSource,
     pub plan: BudgetPlan,
-    pub options: RunOptions,
+    pub options: SessionOptions,
     /// The bundle's activation-path dictionary, if it has been calibrated.
     pub dictionary: Option<Arc<PathDictionary>>,
     /// Things the user should know (e.g. `O_DIRECT` refused by the filesystem).
@@ -87,33 +77,26 @@ pub struct Summarizer {
     prefix: String,
 }
 
-impl Summarizer {
-    pub fn open(bundle_dir: &Path, options: RunOptions) -> Result<Self> {
-        let bundle = Bundle::open(bundle_dir)?;
-        let spec = bundle.config.model.clone();
+impl Session {
+    /// Loads `bundle`'s model and sizes the expert buffer from the budget left after its
+    /// resident weights and the working memory `options` need.
+    pub fn open(bundle: &Bundle, options: SessionOptions) -> Result<Self> {
         let tokenizer = bundle.tokenizer()?;
-        let model = bundle.load_model_on(options.device)?;
-        let working = working_bytes(
-            &spec,
-            RunShape {
-                max_source_tokens: options.max_source_tokens,
-                max_new_tokens: options.decode.max_new_tokens,
-                beams: options.decode.num_beams,
-            },
-        );
+        let model = bundle.load_model(options.device)?;
+        let working = model.working_bytes(options.run_shape());
         let ExpertRuntime {
             buffer,
             plan,
             dictionary,
             warnings,
         } = ExpertRuntime::open(
-            &bundle,
+            bundle,
             options.budget_bytes,
             model.resident_bytes(),
             working,
             &options.cache,
         )?;
-        Ok(Summarizer {
+        Ok(Session {
             model,
             tokenizer,
             buffer,
@@ -125,77 +108,108 @@ impl Summarizer {
         })
     }
 
-    /// Token ids the encoder sees for `document`.
-    pub fn encode_document(&self, document: &str) -> Result<Vec<i64>> {
-        let ids = self.tokenizer.encode(
-            &model_input(document, &self.prefix),
-            self.options.max_source_tokens,
+    /// Token ids the model sees for `text`: a document behind the model's input prefix for an
+    /// encoder-decoder, a prompt (with the tokenizer's special tokens, e.g. a BOS) for a
+    /// decoder-only model, cut to `max_input_tokens`.
+    pub fn encode(&self, text: &str) -> Result<Vec<i64>> {
+        let (text, what) = if self.model.has_encoder() {
+            (model_input(text, &self.prefix), "document")
+        } else {
+            (text.to_string(), "prompt")
+        };
+        let ids = input_ids(
+            &self.model,
+            &self.tokenizer,
+            &text,
+            self.options.max_input_tokens,
         )?;
         if ids.is_empty() {
-            return Err(Error::Input("the document produced no tokens".into()));
+            return Err(Error::Input(format!("the {what} produced no tokens")));
         }
         Ok(ids)
     }
 
-    pub fn generate_ids(&mut self, input_ids: &[i64]) -> Result<Generation> {
-        generate(
+    /// Runs the model on `input_ids`; `on_token` gets every new token (as soon as it is chosen
+    /// for a decoder-only model, after the search for an encoder-decoder).
+    pub fn run(
+        &mut self,
+        input_ids: &[i64],
+        on_token: &mut dyn FnMut(i64) -> Result<()>,
+    ) -> Result<Generation> {
+        run_model(
             &self.model,
-            &mut self.buffer as &mut dyn ExpertProvider,
+            &mut self.buffer,
             input_ids,
             &self.options.decode,
+            on_token,
         )
     }
 
-    /// Summary text, generation record and source length of one document.
-    pub fn summarize(&mut self, document: &str) -> Result<(String, Generation, usize)> {
-        let ids = self.encode_document(document)?;
-        let generation = self.generate_ids(&ids)?;
+    /// Output text, generation record and input length of one document or prompt.
+    pub fn summarize(&mut self, text: &str) -> Result<(String, Generation, usize)> {
+        let ids = self.encode(text)?;
+        let generation = self.run(&ids, &mut |_| Ok(()))?;
         let text = self.tokenizer.decode(&generation.tokens)?;
         Ok((text, generation, ids.len()))
     }
+
+    /// The expert cache's counters so far.
+    pub fn stats(&self) -> &ExpertStats {
+        self.buffer.stats()
+    }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn plain_text_is_one_document() {
-        let docs = parse_documents("Anna: hi\nBob: hello\n", "stdin").unwrap();
-        assert_eq!(docs, vec!["Anna: hi\nBob: hello\n".to_string()]);
+/// Token ids for `text` (already in the model's input form), cut to `max` tokens: an
+/// encoder's source keeps its first tokens and `</s>`, a decoder-only prompt its last tokens.
+pub fn input_ids(model: &Model, tokenizer: &Tokenizer, text: &str, max: usize) -> Result<Vec<i64>> {
+    if model.has_encoder() {
+        tokenizer.encode(text, max)
+    } else {
+        let mut ids = tokenizer.encode_all(text)?;
+        ids.drain(..ids.len().saturating_sub(max.max(1)));
+        Ok(ids)
     }
+}
 
-    #[test]
-    fn json_lines_take_dialogue_or_document() {
-        let text = "{\"dialogue\": \"a\"}\n\n{\"document\": \"b\", \"id\": 3}\n";
-        assert_eq!(parse_documents(text, "f").unwrap(), vec!["a", "b"]);
+/// Runs the decoding loop that fits `model` with experts from `provider`.
+pub fn run_model(
+    model: &Model,
+    provider: &mut dyn ExpertProvider,
+    input_ids: &[i64],
+    options: &DecodeOptions,
+    on_token: &mut dyn FnMut(i64) -> Result<()>,
+) -> Result<Generation> {
+    struct Loop<'a> {
+        provider: &'a mut dyn ExpertProvider,
+        input_ids: &'a [i64],
+        options: &'a DecodeOptions,
+        on_token: &'a mut dyn FnMut(i64) -> Result<()>,
     }
+    impl ModelRun for Loop<'_> {
+        type Output = Result<Generation>;
 
-    #[test]
-    fn bad_inputs_are_named() {
-        let empty = parse_documents("  \n", "in.txt").unwrap_err().to_string();
-        assert!(
-            empty.contains("empty input") && empty.contains("in.txt"),
-            "{empty}"
-        );
-        let missing = parse_documents("{\"text\": \"a\"}", "f")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            missing.contains("line 1") && missing.contains("dialogue"),
-            "{missing}"
-        );
-        let broken = parse_documents("{\"dialogue\": ", "f")
-            .unwrap_err()
-            .to_string();
-        assert!(broken.contains("invalid JSON"), "{broken}");
-    }
+        fn encoder_decoder(&mut self, model: &SwitchModel) -> Self::Output {
+            let generation = generate(model, self.provider, self.input_ids, self.options)?;
+            for &token in &generation.tokens {
+                (self.on_token)(token)?;
+            }
+            Ok(generation)
+        }
 
-    #[test]
-    fn line_breaks_become_spaces() {
-        assert_eq!(
-            model_input("A: x\r\nB: y\nC", "summarize: "),
-            "summarize: A: x B: y C"
-        );
+        fn decoder_only(&mut self, model: &DecoderOnlyModel) -> Self::Output {
+            complete(
+                model,
+                self.provider,
+                self.input_ids,
+                self.options,
+                self.on_token,
+            )
+        }
     }
+    model.run(&mut Loop {
+        provider,
+        input_ids,
+        options,
+        on_token,
+    })
 }

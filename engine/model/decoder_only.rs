@@ -29,6 +29,8 @@ use crate::ids::Stack;
 use crate::model::provider::ExpertProvider;
 use crate::weights::WeightFiles;
 
+use super::RunShape;
+
 fn layer_prefix(layer: usize) -> String {
     format!("model.layers.{layer}")
 }
@@ -484,6 +486,37 @@ fn attention_mask(n: i64, past: i64, window: Option<usize>) -> Result<Option<Ten
     let mask = Tensor::f_zeros([n, total], (Kind::Float, tch::Device::Cpu))?
         .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
     Ok(Some(mask.f_unsqueeze(0)?.f_unsqueeze(0)?))
+}
+
+impl DecoderOnlyModel {
+    /// A decoder-only run: `max_source_tokens` is the prompt length (prefilled at once).
+    pub fn working_bytes(&self, run: RunShape) -> u64 {
+        let spec = &self.spec;
+        let f = 4u64;
+        let prompt = run.max_source_tokens as u64;
+        let total = prompt + run.max_new_tokens as u64;
+        let d = spec.hidden_size as u64;
+        let (q, kv) = (spec.q_dim() as u64, spec.kv_dim() as u64);
+        let heads = spec.num_heads as u64;
+        let widest_ff = spec
+            .intermediate_size
+            .max(spec.expert_intermediate_size)
+            .max(spec.shared_expert_intermediate_size.unwrap_or(0)) as u64;
+        // Prefill: hidden states and residuals, q/k/v/out (k and v repeated to every head), scores
+        // (+ softmax copy), the mask, the FF intermediates (gate, up, product) and the MoE output.
+        let prefill = prompt * (5 * d + 2 * q + 2 * kv + 2 * heads * spec.head_dim as u64)
+            + 3 * heads * prompt * total
+            + prompt * total
+            + 3 * prompt * widest_ff
+            + prompt * (spec.top_k as u64 + 1) * d;
+        // The KV cache of every layer, up to the last token (and the copy a concatenation makes).
+        let caches = 2 * spec.num_layers as u64 * 2 * kv * total;
+        // Logits, their softmax and sort for sampling.
+        let logits = 4 * spec.vocab_size as u64;
+        // Dequantized weights of the expert being computed (`gate`, `up`, `down`).
+        let expert_scratch = 3 * d * spec.expert_intermediate_size as u64;
+        f * (prefill + caches + logits + expert_scratch)
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,8 @@ use crate::ids::Stack;
 use crate::model::provider::ExpertProvider;
 use crate::weights::WeightFiles;
 
+use super::RunShape;
+
 /// HF name of a block's FF sub-layer prefix, e.g. `decoder.block.3.layer.2`.
 fn ff_prefix(stack: Stack, block: usize) -> String {
     format!(
@@ -448,6 +450,32 @@ impl SwitchModel {
             *kv = (kv.0.f_index_select(0, &idx)?, kv.1.f_index_select(0, &idx)?);
         }
         Ok(())
+    }
+}
+
+impl SwitchModel {
+    /// Estimated bytes of activations and scratch for one run (f32 everywhere).
+    pub fn working_bytes(&self, run: RunShape) -> u64 {
+        let spec = &self.spec;
+        let f = 4u64;
+        let src = run.max_source_tokens as u64;
+        let tgt = run.max_new_tokens as u64 + 1;
+        let beams = run.beams.max(1) as u64;
+        let d = spec.d_model as u64;
+        let inner = spec.inner_dim() as u64;
+        let heads = spec.num_heads as u64;
+        let d_ff = spec.d_ff as u64;
+        let dec_layers = spec.num_decoder_layers as u64;
+        // Encoder: hidden states, q/k/v/out, scores (+ softmax copy), FF intermediate, bias.
+        let encoder = src * (4 * d + 4 * inner + d_ff) + 3 * heads * src * src;
+        // Decoder caches per beam: self-attention K/V grow to `tgt`, cross-attention K/V span `src`
+        // (twice during a beam reorder, when old and new caches coexist).
+        let caches = 2 * dec_layers * beams * 2 * inner * (tgt + src);
+        // Logits and log-probabilities of every beam, plus the top-k workspace.
+        let logits = 3 * beams * spec.vocab_size as u64;
+        // Dequantized weights of the expert being computed (`wi` and `wo`).
+        let expert_scratch = 2 * spec.d_model as u64 * spec.d_ff as u64;
+        f * (encoder + caches + logits + expert_scratch)
     }
 }
 

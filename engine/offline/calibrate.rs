@@ -6,9 +6,8 @@ use serde::Serialize;
 
 use crate::dictionary::{evaluate, LayerAccuracy, PathDictionary, StackPaths};
 use crate::error::Result;
-use crate::generation::causal::TextGenerator;
-use crate::generation::seq2seq::Generation;
-use crate::generation::session::Summarizer;
+use crate::generation::decoding::Generation;
+use crate::generation::session::Session;
 use crate::ids::Stack;
 use crate::model::LayerRoute;
 
@@ -64,40 +63,21 @@ pub fn paths_of(
     }
 }
 
-/// Summarizes `documents` greedily and returns their paths, with a progress bar.
+/// Runs the session's model over `documents` and returns their paths, with a progress bar:
+/// an encoder-decoder summarizes each document, a decoder-only model takes it as a prompt (its
+/// last `max_input_tokens` tokens) followed by its own continuation; prompt tokens count.
 pub fn collect_paths(
-    summarizer: &mut Summarizer,
+    session: &mut Session,
     documents: &[String],
     label: &str,
     show_progress: bool,
 ) -> Result<Vec<DocumentPaths>> {
-    let spec = crate::config::ModelSpec::Switch(summarizer.model.spec().clone());
+    let spec = session.model.spec();
     collect_paths_with(
         &spec,
         &mut |document| {
-            let ids = summarizer.encode_document(document)?;
-            summarizer.generate_ids(&ids)
-        },
-        documents,
-        label,
-        show_progress,
-    )
-}
-
-/// Runs a decoder-only model over `documents` (each a prompt, followed by the generator's
-/// greedy continuation) and returns their paths, prompt tokens included.
-pub fn collect_decoder_paths(
-    generator: &mut TextGenerator,
-    documents: &[String],
-    label: &str,
-    show_progress: bool,
-) -> Result<Vec<DocumentPaths>> {
-    let spec = crate::config::ModelSpec::DecoderOnly(generator.model.spec().clone());
-    collect_paths_with(
-        &spec,
-        &mut |document| {
-            let ids = generator.encode_prompt(document)?;
-            generator.generate_ids(&ids, &mut |_| Ok(()))
+            let ids = session.encode(document)?;
+            session.run(&ids, &mut |_| Ok(()))
         },
         documents,
         label,

@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::generation::report::RunStats;
-use crate::generation::session::Summarizer;
+use crate::generation::session::Session;
 use crate::offline::rouge::{self, RougeScores};
 
 /// A document with its reference summary.
@@ -71,7 +71,7 @@ pub struct EvalReport {
 
 /// Summarizes every example; returns the report, the predictions and their token ids.
 pub fn evaluate(
-    summarizer: &mut Summarizer,
+    session: &mut Session,
     examples: &[Example],
     stem: bool,
     show_progress: bool,
@@ -91,7 +91,7 @@ pub fn evaluate(
     let mut scores = Vec::with_capacity(examples.len());
     let mut generations = Vec::with_capacity(examples.len());
     for example in examples {
-        let (text, generation, source_tokens) = summarizer.summarize(&example.document)?;
+        let (text, generation, source_tokens) = session.summarize(&example.document)?;
         scores.push(rouge::score(&text, &example.reference, stem));
         predictions.push(text);
         generations.push((source_tokens, generation));
@@ -100,9 +100,9 @@ pub fn evaluate(
     progress.finish_and_clear();
     let run = RunStats::new(
         &generations,
-        summarizer.buffer.stats(),
-        &summarizer.plan,
-        &summarizer.options.cache,
+        session.stats(),
+        &session.plan,
+        &session.options.cache,
     );
     Ok((
         EvalReport {

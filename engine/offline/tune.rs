@@ -25,10 +25,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::generation::causal::{complete, CompletionOptions};
-use crate::generation::seq2seq::{generate, DecodeOptions};
+use crate::generation::decoding::DecodeOptions;
+use crate::generation::input::model_input;
+use crate::generation::session::{input_ids, run_model};
 use crate::ids::ExpertId;
-use crate::model::{DecoderOnlyModel, SwitchModel};
+use crate::model::Model;
 use crate::offline::bit_plan::BitPlan;
 use crate::offline::eval::Example;
 use crate::offline::rouge;
@@ -75,24 +76,9 @@ struct MeasurementCache {
 }
 
 /// The model a tuner evaluates, and how it decodes (greedy).
-pub enum TuneModel<'a> {
-    Switch {
-        model: &'a SwitchModel,
-        decode: DecodeOptions,
-    },
-    DecoderOnly {
-        model: &'a DecoderOnlyModel,
-        completion: CompletionOptions,
-    },
-}
-
-impl TuneModel<'_> {
-    fn max_new_tokens(&self) -> usize {
-        match self {
-            TuneModel::Switch { decode, .. } => decode.max_new_tokens,
-            TuneModel::DecoderOnly { completion, .. } => completion.max_new_tokens,
-        }
-    }
+pub struct TuneModel<'a> {
+    pub model: &'a Model,
+    pub decode: DecodeOptions,
 }
 
 pub struct Tuner<'a> {
@@ -147,23 +133,15 @@ impl<'a> Tuner<'a> {
         let inputs = examples
             .iter()
             .map(|e| {
-                let text = crate::generation::session::model_input(&e.document, &settings.prefix);
-                match model {
-                    TuneModel::Switch { .. } => tokenizer.encode(&text, settings.max_source_tokens),
-                    TuneModel::DecoderOnly { .. } => {
-                        let mut ids = tokenizer.encode_all(&text)?;
-                        let max = settings.max_source_tokens.max(1);
-                        ids.drain(..ids.len().saturating_sub(max));
-                        Ok(ids)
-                    }
-                }
+                let text = model_input(&e.document, &settings.prefix);
+                input_ids(model.model, tokenizer, &text, settings.max_source_tokens)
             })
             .collect::<Result<Vec<_>>>()?;
         let evaluation = format!(
             "{} documents, input checksum {:08x}, {} new tokens",
             inputs.len(),
             crc32fast::hash(format!("{inputs:?}").as_bytes()),
-            model.max_new_tokens()
+            model.decode.max_new_tokens
         );
         let cache = match std::fs::read_to_string(cache_path) {
             Ok(text) => serde_json::from_str::<MeasurementCache>(&text)
@@ -200,14 +178,14 @@ impl<'a> Tuner<'a> {
     fn outputs(&mut self) -> Result<Vec<Vec<i64>>> {
         let mut out = Vec::with_capacity(self.inputs.len());
         for ids in &self.inputs {
-            let tokens = match &self.model {
-                TuneModel::Switch { model, decode } => {
-                    generate(model, &mut self.experts, ids, decode)?.tokens
-                }
-                TuneModel::DecoderOnly { model, completion } => {
-                    complete(model, &mut self.experts, ids, completion, &mut |_| Ok(()))?.tokens
-                }
-            };
+            let tokens = run_model(
+                self.model.model,
+                &mut self.experts,
+                ids,
+                &self.model.decode,
+                &mut |_| Ok(()),
+            )?
+            .tokens;
             out.push(tokens);
         }
         Ok(out)

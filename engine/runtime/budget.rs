@@ -1,79 +1,13 @@
-//! The memory budget: parsing sizes such as `1.5GiB`, and dividing a budget between resident
-//! weights, working memory and the expert buffer's slots.
+//! The memory budget: dividing it between resident weights, working memory and the expert
+//! buffer's slots.
 //!
-//! `budget = resident weights + working memory + slots × slot bytes`. Working memory is an
-//! estimate of the engine's own activations for the longest run the options allow (KV caches,
-//! attention scores, expert scratch, logits); libtorch's allocator and the process image are
-//! not counted, and `peak_rss_bytes` in the statistics shows what the whole process used.
+//! `budget = resident weights + working memory + slots × slot bytes`. Working memory is the
+//! model's estimate of its own activations for the longest run the options allow
+//! (`Model::working_bytes`: KV caches, attention scores, expert scratch, logits); libtorch's
+//! allocator and the process image are not counted, and `peak_rss_bytes` in the statistics
+//! shows what the whole process used.
 
-use crate::config::{DecoderSpec, ModelSpec, SwitchSpec};
 use crate::error::{Error, Result};
-
-/// The sizes of a run that working memory depends on.
-#[derive(Debug, Clone, Copy)]
-pub struct RunShape {
-    pub max_source_tokens: usize,
-    pub max_new_tokens: usize,
-    pub beams: usize,
-}
-
-/// Estimated bytes of activations and scratch for one run (f32 everywhere).
-pub fn working_bytes(spec: &ModelSpec, run: RunShape) -> u64 {
-    match spec {
-        ModelSpec::Switch(s) => switch_working_bytes(s, run),
-        ModelSpec::DecoderOnly(d) => decoder_working_bytes(d, run),
-    }
-}
-
-fn switch_working_bytes(spec: &SwitchSpec, run: RunShape) -> u64 {
-    let f = 4u64;
-    let src = run.max_source_tokens as u64;
-    let tgt = run.max_new_tokens as u64 + 1;
-    let beams = run.beams.max(1) as u64;
-    let d = spec.d_model as u64;
-    let inner = spec.inner_dim() as u64;
-    let heads = spec.num_heads as u64;
-    let d_ff = spec.d_ff as u64;
-    let dec_layers = spec.num_decoder_layers as u64;
-    // Encoder: hidden states, q/k/v/out, scores (+ softmax copy), FF intermediate, bias.
-    let encoder = src * (4 * d + 4 * inner + d_ff) + 3 * heads * src * src;
-    // Decoder caches per beam: self-attention K/V grow to `tgt`, cross-attention K/V span `src`
-    // (twice during a beam reorder, when old and new caches coexist).
-    let caches = 2 * dec_layers * beams * 2 * inner * (tgt + src);
-    // Logits and log-probabilities of every beam, plus the top-k workspace.
-    let logits = 3 * beams * spec.vocab_size as u64;
-    // Dequantized weights of the expert being computed (`wi` and `wo`).
-    let expert_scratch = 2 * spec.d_model as u64 * spec.d_ff as u64;
-    f * (encoder + caches + logits + expert_scratch)
-}
-
-/// A decoder-only run: `max_source_tokens` is the prompt length (prefilled at once).
-fn decoder_working_bytes(spec: &DecoderSpec, run: RunShape) -> u64 {
-    let f = 4u64;
-    let prompt = run.max_source_tokens as u64;
-    let total = prompt + run.max_new_tokens as u64;
-    let d = spec.hidden_size as u64;
-    let (q, kv) = (spec.q_dim() as u64, spec.kv_dim() as u64);
-    let heads = spec.num_heads as u64;
-    let widest_ff = spec
-        .intermediate_size
-        .max(spec.expert_intermediate_size)
-        .max(spec.shared_expert_intermediate_size.unwrap_or(0)) as u64;
-    // Prefill: hidden states and residuals, q/k/v/out (k and v repeated to every head), scores
-    // (+ softmax copy), the mask, the FF intermediates (gate, up, product) and the MoE output.
-    let prefill = prompt * (5 * d + 2 * q + 2 * kv + 2 * heads * spec.head_dim as u64)
-        + 3 * heads * prompt * total
-        + prompt * total
-        + 3 * prompt * widest_ff
-        + prompt * (spec.top_k as u64 + 1) * d;
-    // The KV cache of every layer, up to the last token (and the copy a concatenation makes).
-    let caches = 2 * spec.num_layers as u64 * 2 * kv * total;
-    // Logits, their softmax and sort for sampling.
-    let logits = 4 * spec.vocab_size as u64;
-    // Dequantized weights of the expert being computed (`gate`, `up`, `down`).
-    let expert_scratch = 3 * d * spec.expert_intermediate_size as u64;
-    f * (prefill + caches + logits + expert_scratch)
-}
 
 /// How a budget is split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -65,3 +65,19 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32]) {
         "{what}: max relative difference {worst} > {TOLERANCE}"
     );
 }
+
+/// The Switch model of a bundle (tests call its encoder and decoder steps directly).
+pub fn switch_model(bundle: &edgemoe::bundle::Bundle) -> edgemoe::model::SwitchModel {
+    match bundle.load_model(tch::Device::Cpu).unwrap() {
+        edgemoe::model::Model::Switch(model) => model,
+        _ => panic!("{}: not a Switch bundle", bundle.dir().display()),
+    }
+}
+
+/// The decoder-only model of a bundle.
+pub fn decoder_only_model(bundle: &edgemoe::bundle::Bundle) -> edgemoe::model::DecoderOnlyModel {
+    match bundle.load_model(tch::Device::Cpu).unwrap() {
+        edgemoe::model::Model::DecoderOnly(model) => model,
+        _ => panic!("{}: not a decoder-only bundle", bundle.dir().display()),
+    }
+}
