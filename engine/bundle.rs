@@ -3,7 +3,7 @@
 //! ```text
 //! config.json           BundleConfig: format version, ModelSpec, generation defaults
 //! resident.safetensors  every non-expert weight (source dtype), memory-mapped at load
-//! experts.bin           the expert store (see `expert_store`)
+//! experts.bin           the expert store (see `store/`)
 //! tokenizer.json        the tokenizer the model was trained with
 //! ```
 

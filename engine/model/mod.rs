@@ -17,7 +17,7 @@ pub mod switch;
 use tch::Device;
 
 use crate::config::ModelSpec;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::weights::WeightFiles;
 
 pub use decoder_only::{DecoderOnlyModel, KvCache};
@@ -54,10 +54,15 @@ pub trait ModelRun {
 
 impl Model {
     /// The resident (non-expert) weights of `spec` from `files`, on `device`. Decoder-only
-    /// models run on the CPU.
+    /// models run on the CPU (another device is refused).
     pub fn load(spec: &ModelSpec, files: &WeightFiles, device: Device) -> Result<Self> {
         Ok(match spec {
             ModelSpec::Switch(s) => Model::Switch(SwitchModel::load_on(s, files, device)?),
+            ModelSpec::DecoderOnly(_) if device != Device::Cpu => {
+                return Err(Error::Input(
+                    "decoder-only models run on the CPU in this build: pass --device cpu".into(),
+                ))
+            }
             ModelSpec::DecoderOnly(d) => Model::DecoderOnly(DecoderOnlyModel::load(d, files)?),
         })
     }
