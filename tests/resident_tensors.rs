@@ -52,7 +52,11 @@ fn check(fixture: &str, extras: &[&str]) {
                 message,
             }) => {
                 assert_eq!(&name, extra, "{fixture}");
-                assert!(path.ends_with(RESIDENT_FILE), "{fixture}: {}", path.display());
+                assert!(
+                    path.ends_with(RESIDENT_FILE),
+                    "{fixture}: {}",
+                    path.display()
+                );
                 assert_eq!(message, "not used by the model", "{fixture}");
             }
             other => panic!("{fixture} with `{extra}`: {:?}", other.err()),
@@ -88,8 +92,16 @@ fn commands_name_the_unused_tensor() {
     std::fs::write(&input, "Anna: hi").unwrap();
     let input = input.to_str().unwrap();
     for (fixture, extra, command) in [
-        ("tiny-tied-e4", "encoder.block.0.foo", ["summarize", "--input", input]),
-        ("tiny-olmoe", "model.layers.0.foo", ["generate", "--prompt-ids", "5,6"]),
+        (
+            "tiny-tied-e4",
+            "encoder.block.0.foo",
+            ["summarize", "--input", input],
+        ),
+        (
+            "tiny-olmoe",
+            "model.layers.0.foo",
+            ["generate", "--prompt-ids", "5,6"],
+        ),
     ] {
         let bundle = common::convert_to(&common::fixture(fixture), &dir.path().join(fixture));
         add_tensor(&bundle, extra);

@@ -35,7 +35,7 @@ fn layer_prefix(layer: usize) -> String {
 }
 
 /// Every non-expert tensor with its shape, under the names the bundle stores them by, in the
-/// order [`DecoderOnlyModel::load`] takes them: [`DecoderOnlyModel::assemble`] run on
+/// order [`DecoderOnlyModel::load`] takes them: `DecoderOnlyModel::assemble` run on
 /// placeholders.
 pub fn resident_tensors(spec: &DecoderSpec) -> Vec<(String, Vec<usize>)> {
     let mut tensors = Vec::new();

@@ -53,7 +53,7 @@ fn embed_tokens_name(stack: Stack) -> String {
 }
 
 /// Every non-expert tensor with its shape (the resident part of the model), in the order
-/// [`SwitchModel::load`] takes them: [`SwitchModel::assemble`] run on placeholders.
+/// [`SwitchModel::load`] takes them: `SwitchModel::assemble` run on placeholders.
 pub fn resident_tensors(spec: &SwitchSpec) -> Vec<(String, Vec<usize>)> {
     let mut tensors = Vec::new();
     SwitchModel::assemble(spec, &mut |name, shape| {
