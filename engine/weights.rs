@@ -5,8 +5,12 @@
 //! computes in f32, the copy lets the map (and its page-cache pages) go once loading is done, and
 //! owned anonymous memory is never evicted by the kernel the way clean file-backed pages are
 //! (boards run without swap, so resident weights stay in RAM).
+//!
+//! A model takes its weights through a [`TensorLoader`], which exists only inside
+//! [`WeightFiles::load_all`]: once the model has taken what it needs, a tensor left in the
+//! files is an error naming it (the file and the model disagree).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -278,6 +282,60 @@ impl WeightFiles {
         let bytes = self.get(name, expected_shape)?;
         bytes.to_f32_tensor()
     }
+
+    /// Runs `build` with a loader over these files, then fails, naming the tensor, on any tensor
+    /// of the files that `build` did not take.
+    pub fn load_all<T>(&self, build: impl FnOnce(&mut TensorLoader<'_>) -> Result<T>) -> Result<T> {
+        let mut loader = TensorLoader {
+            files: self,
+            taken: HashSet::new(),
+        };
+        let value = build(&mut loader)?;
+        loader.finish()?;
+        Ok(value)
+    }
+}
+
+/// Takes tensors out of a [`WeightFiles`] by name and remembers which it took; see
+/// [`WeightFiles::load_all`].
+pub struct TensorLoader<'a> {
+    files: &'a WeightFiles,
+    taken: HashSet<&'a str>,
+}
+
+impl<'a> TensorLoader<'a> {
+    /// The raw bytes of `name`, checked against `expected_shape`.
+    pub fn take(&mut self, name: &str, expected_shape: &[usize]) -> Result<TensorBytes<'a>> {
+        let bytes = self.files.get(name, expected_shape)?;
+        self.taken.insert(bytes.name);
+        Ok(bytes)
+    }
+
+    /// `name` as an owned f32 tensor of `expected_shape`.
+    pub fn take_f32(&mut self, name: &str, expected_shape: &[usize]) -> Result<Tensor> {
+        self.take(name, expected_shape)?.to_f32_tensor()
+    }
+
+    /// Fails on the first (by name) tensor not taken.
+    fn finish(self) -> Result<()> {
+        let mut left: Vec<&str> = self
+            .files
+            .names()
+            .filter(|n| !self.taken.contains(n))
+            .collect();
+        left.sort_unstable();
+        match left.first() {
+            None => Ok(()),
+            Some(&name) => {
+                let file = &self.files.files[self.files.location[name]];
+                let message = match left.len() {
+                    1 => "not used by the model".to_string(),
+                    n => format!("not used by the model ({n} unused tensors)"),
+                };
+                Err(Error::tensor(&file.path, name, message))
+            }
+        }
+    }
 }
 
 impl TensorBytes<'_> {
@@ -286,5 +344,56 @@ impl TensorBytes<'_> {
         let shape: Vec<i64> = self.shape.iter().map(|&d| d as i64).collect();
         let stored = Tensor::f_from_data_size(self.data, &shape, self.dtype.kind())?;
         Ok(stored.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    /// A file holding `a` `[2]` and `b` `[1]` (f32).
+    fn two_tensors(dir: &Path) -> PathBuf {
+        let path = dir.join("two.safetensors");
+        let (a, b) = ([0u8; 8], [0u8; 4]);
+        let views = vec![
+            ("a", TensorView::new(Dtype::F32, vec![2], &a).unwrap()),
+            ("b", TensorView::new(Dtype::F32, vec![1], &b).unwrap()),
+        ];
+        safetensors::tensor::serialize_to_file(views, None, &path).unwrap();
+        path
+    }
+
+    #[test]
+    fn load_all_fails_naming_a_tensor_left_unused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = two_tensors(dir.path());
+        let files = WeightFiles::open_file(&path).unwrap();
+
+        let taken = files.load_all(|t| {
+            let _a = t.take_f32("a", &[2])?;
+            t.take("b", &[1]).map(|b| b.name.to_string())
+        });
+        assert_eq!(taken.unwrap(), "b");
+
+        let err = files
+            .load_all(|t| t.take_f32("a", &[2]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("two.safetensors"), "{err}");
+        assert!(err.contains("tensor `b`: not used by the model"), "{err}");
+
+        let err = files.load_all(|_| Ok(())).unwrap_err().to_string();
+        assert!(
+            err.contains("tensor `a`: not used by the model (2 unused tensors)"),
+            "{err}"
+        );
+
+        // A failed take is reported as itself, not as leftovers.
+        let err = files
+            .load_all(|t| t.take_f32("a", &[3]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tensor `a`: shape [2], expected [3]"), "{err}");
     }
 }

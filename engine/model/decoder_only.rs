@@ -1,7 +1,8 @@
 //! Decoder-only MoE language models — `MixtralForCausalLM`, `Qwen2MoeForCausalLM`,
-//! `OlmoeForCausalLM` (transformers 5.x) — as one model over shared blocks: the tensor-name
-//! tables, loading the resident weights, and a forward call over new tokens with a KV cache
-//! (the whole prompt at once in prefill, then one token per step).
+//! `OlmoeForCausalLM` (transformers 5.x) — as one model over shared blocks: the tensor names
+//! (resident ones declared once, in `DecoderOnlyModel::assemble`, which both loading and
+//! `convert` use), and a forward call over new tokens with a KV cache (the whole prompt at once
+//! in prefill, then one token per step).
 //!
 //! Decisions:
 //! - Resident weights are stored in the bundle under transformers 5.x's in-memory names
@@ -35,54 +36,17 @@ fn layer_prefix(layer: usize) -> String {
     format!("model.layers.{layer}")
 }
 
-/// Every non-expert tensor with its shape, under the names the bundle stores them by.
+/// Every non-expert tensor with its shape, under the names the bundle stores them by, in the
+/// order [`DecoderOnlyModel::load`] takes them: `DecoderOnlyModel::assemble` run on
+/// placeholders.
 pub fn resident_tensors(spec: &DecoderSpec) -> Vec<(String, Vec<usize>)> {
-    let d = spec.hidden_size;
-    let (q, kv) = (spec.q_dim(), spec.kv_dim());
-    let mut t = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![spec.vocab_size, d],
-    )];
-    if !spec.tie_word_embeddings {
-        t.push(("lm_head.weight".into(), vec![spec.vocab_size, d]));
-    }
-    t.push(("model.norm.weight".into(), vec![d]));
-    for layer in 0..spec.num_layers {
-        let p = layer_prefix(layer);
-        t.push((format!("{p}.input_layernorm.weight"), vec![d]));
-        t.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
-        let a = format!("{p}.self_attn");
-        for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            t.push((format!("{a}.{proj}.weight"), vec![rows, d]));
-            if spec.qkv_bias {
-                t.push((format!("{a}.{proj}.bias"), vec![rows]));
-            }
-        }
-        t.push((format!("{a}.o_proj.weight"), vec![d, q]));
-        if spec.o_bias {
-            t.push((format!("{a}.o_proj.bias"), vec![d]));
-        }
-        if spec.qk_norm {
-            t.push((format!("{a}.q_norm.weight"), vec![q]));
-            t.push((format!("{a}.k_norm.weight"), vec![kv]));
-        }
-        let m = format!("{p}.mlp");
-        if spec.is_moe(layer) {
-            t.push((format!("{m}.gate.weight"), vec![spec.num_experts, d]));
-            if let Some(s) = spec.shared_expert_intermediate_size {
-                t.push((format!("{m}.shared_expert.gate_proj.weight"), vec![s, d]));
-                t.push((format!("{m}.shared_expert.up_proj.weight"), vec![s, d]));
-                t.push((format!("{m}.shared_expert.down_proj.weight"), vec![d, s]));
-                t.push((format!("{m}.shared_expert_gate.weight"), vec![1, d]));
-            }
-        } else {
-            let f = spec.intermediate_size;
-            t.push((format!("{m}.gate_proj.weight"), vec![f, d]));
-            t.push((format!("{m}.up_proj.weight"), vec![f, d]));
-            t.push((format!("{m}.down_proj.weight"), vec![d, f]));
-        }
-    }
-    t
+    let mut tensors = Vec::new();
+    DecoderOnlyModel::assemble(spec, &mut |name, shape| {
+        tensors.push((name, shape.to_vec()));
+        Ok(Tensor::new())
+    })
+    .expect("placeholders and the rotary table do not fail");
+    tensors
 }
 
 /// Other names a checkpoint may give a resident tensor: Mixtral's pre-5.x router name, as
@@ -218,60 +182,71 @@ impl KvCache {
 }
 
 impl DecoderOnlyModel {
-    /// Loads the resident weights (owned f32 copies) from `files` (a bundle's resident file).
+    /// Loads the resident weights (owned f32 copies) from `files` (a bundle's resident file). A
+    /// tensor of `files` that the model does not use is an error naming it.
     pub fn load(spec: &DecoderSpec, files: &WeightFiles) -> Result<Self> {
         let _guard = tch::no_grad_guard();
-        let shapes: std::collections::HashMap<String, Vec<usize>> =
-            resident_tensors(spec).into_iter().collect();
         let mut resident_bytes = 0u64;
-        let mut get = |name: String| -> Result<Tensor> {
-            let shape = shapes
-                .get(&name)
-                .unwrap_or_else(|| panic!("{name} is in the resident table"));
-            let t = files.load_f32(&name, shape)?;
-            resident_bytes += (t.numel() * 4) as u64;
-            Ok(t)
-        };
+        let mut model = files.load_all(|loader| {
+            Self::assemble(spec, &mut |name, shape| {
+                let t = loader.take_f32(&name, shape)?;
+                resident_bytes += (t.numel() * 4) as u64;
+                Ok(t)
+            })
+        })?;
+        model.resident_bytes = resident_bytes;
+        Ok(model)
+    }
+
+    /// The model from `get(name, shape)` of each resident tensor: the one place the resident
+    /// tensor names of the three families are spelled.
+    fn assemble(
+        spec: &DecoderSpec,
+        get: &mut dyn FnMut(String, &[usize]) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let d = spec.hidden_size;
+        let (q, kv) = (spec.q_dim(), spec.kv_dim());
         let norm = |weight: Tensor| RmsNorm {
             weight,
             eps: spec.rms_norm_eps,
         };
-        let embed_tokens = get("model.embed_tokens.weight".into())?;
+        let embed_tokens = get("model.embed_tokens.weight".into(), &[spec.vocab_size, d])?;
         let lm_head = if spec.tie_word_embeddings {
             None
         } else {
-            Some(get("lm_head.weight".into())?)
+            Some(get("lm_head.weight".into(), &[spec.vocab_size, d])?)
         };
         let mut layers = Vec::with_capacity(spec.num_layers);
         for layer in 0..spec.num_layers {
             let p = layer_prefix(layer);
             let a = format!("{p}.self_attn");
-            let bias = |get: &mut dyn FnMut(String) -> Result<Tensor>,
+            let bias = |get: &mut dyn FnMut(String, &[usize]) -> Result<Tensor>,
                         proj: &str,
+                        rows: usize,
                         on: bool|
              -> Result<Option<Tensor>> {
                 Ok(if on {
-                    Some(get(format!("{a}.{proj}.bias"))?)
+                    Some(get(format!("{a}.{proj}.bias"), &[rows])?)
                 } else {
                     None
                 })
             };
             let attention = Attention {
-                q: get(format!("{a}.q_proj.weight"))?,
-                k: get(format!("{a}.k_proj.weight"))?,
-                v: get(format!("{a}.v_proj.weight"))?,
-                o: get(format!("{a}.o_proj.weight"))?,
-                q_bias: bias(&mut get, "q_proj", spec.qkv_bias)?,
-                k_bias: bias(&mut get, "k_proj", spec.qkv_bias)?,
-                v_bias: bias(&mut get, "v_proj", spec.qkv_bias)?,
-                o_bias: bias(&mut get, "o_proj", spec.o_bias)?,
+                q: get(format!("{a}.q_proj.weight"), &[q, d])?,
+                k: get(format!("{a}.k_proj.weight"), &[kv, d])?,
+                v: get(format!("{a}.v_proj.weight"), &[kv, d])?,
+                o: get(format!("{a}.o_proj.weight"), &[d, q])?,
+                q_bias: bias(get, "q_proj", q, spec.qkv_bias)?,
+                k_bias: bias(get, "k_proj", kv, spec.qkv_bias)?,
+                v_bias: bias(get, "v_proj", kv, spec.qkv_bias)?,
+                o_bias: bias(get, "o_proj", d, spec.o_bias)?,
                 q_norm: if spec.qk_norm {
-                    Some(norm(get(format!("{a}.q_norm.weight"))?))
+                    Some(norm(get(format!("{a}.q_norm.weight"), &[q])?))
                 } else {
                     None
                 },
                 k_norm: if spec.qk_norm {
-                    Some(norm(get(format!("{a}.k_norm.weight"))?))
+                    Some(norm(get(format!("{a}.k_norm.weight"), &[kv])?))
                 } else {
                     None
                 },
@@ -280,36 +255,40 @@ impl DecoderOnlyModel {
             let m = format!("{p}.mlp");
             let ff = if spec.is_moe(layer) {
                 let shared = match spec.shared_expert_intermediate_size {
-                    Some(_) => Some(SharedExpert {
-                        gate: get(format!("{m}.shared_expert.gate_proj.weight"))?,
-                        up: get(format!("{m}.shared_expert.up_proj.weight"))?,
-                        down: get(format!("{m}.shared_expert.down_proj.weight"))?,
-                        expert_gate: get(format!("{m}.shared_expert_gate.weight"))?,
+                    Some(s) => Some(SharedExpert {
+                        gate: get(format!("{m}.shared_expert.gate_proj.weight"), &[s, d])?,
+                        up: get(format!("{m}.shared_expert.up_proj.weight"), &[s, d])?,
+                        down: get(format!("{m}.shared_expert.down_proj.weight"), &[d, s])?,
+                        expert_gate: get(format!("{m}.shared_expert_gate.weight"), &[1, d])?,
                     }),
                     None => None,
                 };
                 FeedForward::Sparse {
                     router: Router {
-                        weight: get(format!("{m}.gate.weight"))?,
+                        weight: get(format!("{m}.gate.weight"), &[spec.num_experts, d])?,
                         bias: None,
                     },
                     shared,
                 }
             } else {
+                let f = spec.intermediate_size;
                 FeedForward::Dense {
-                    gate: get(format!("{m}.gate_proj.weight"))?,
-                    up: get(format!("{m}.up_proj.weight"))?,
-                    down: get(format!("{m}.down_proj.weight"))?,
+                    gate: get(format!("{m}.gate_proj.weight"), &[f, d])?,
+                    up: get(format!("{m}.up_proj.weight"), &[f, d])?,
+                    down: get(format!("{m}.down_proj.weight"), &[d, f])?,
                 }
             };
             layers.push(Layer {
-                input_norm: norm(get(format!("{p}.input_layernorm.weight"))?),
+                input_norm: norm(get(format!("{p}.input_layernorm.weight"), &[d])?),
                 attention,
-                post_attention_norm: norm(get(format!("{p}.post_attention_layernorm.weight"))?),
+                post_attention_norm: norm(get(
+                    format!("{p}.post_attention_layernorm.weight"),
+                    &[d],
+                )?),
                 ff,
             });
         }
-        let final_norm = norm(get("model.norm.weight".into())?);
+        let final_norm = norm(get("model.norm.weight".into(), &[d])?);
         Ok(DecoderOnlyModel {
             spec: spec.clone(),
             embed_tokens,
@@ -317,7 +296,7 @@ impl DecoderOnlyModel {
             layers,
             norm: final_norm,
             rotary: Rotary::new(spec.head_dim, spec.rope_theta)?,
-            resident_bytes,
+            resident_bytes: 0,
         })
     }
 

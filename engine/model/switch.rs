@@ -1,5 +1,6 @@
-//! Switch Transformers (`SwitchTransformersForConditionalGeneration`): the tensor-name table,
-//! loading the resident weights, the encoder and one incremental decoder step.
+//! Switch Transformers (`SwitchTransformersForConditionalGeneration`): its tensor names
+//! (declared once, in `SwitchModel::assemble`, which both loading and `convert` use), the
+//! encoder and one incremental decoder step.
 //!
 //! Shapes: `b` = batch (beams), `n` = tokens in the call, `src` = source tokens, `d` = d_model,
 //! `h` = heads, `dk` = d_kv, `V` = vocabulary.
@@ -53,58 +54,16 @@ fn embed_tokens_name(stack: Stack) -> String {
     format!("{}.embed_tokens.weight", stack.hf_prefix())
 }
 
-/// Every non-expert tensor with its shape (the resident part of the model).
+/// Every non-expert tensor with its shape (the resident part of the model), in the order
+/// [`SwitchModel::load`] takes them: `SwitchModel::assemble` run on placeholders.
 pub fn resident_tensors(spec: &SwitchSpec) -> Vec<(String, Vec<usize>)> {
-    let (d, inner, d_ff) = (spec.d_model, spec.inner_dim(), spec.d_ff);
-    let mut t = vec![("shared.weight".to_string(), vec![spec.vocab_size, d])];
-    if !spec.tie_word_embeddings {
-        t.push(("lm_head.weight".into(), vec![spec.vocab_size, d]));
-    }
-    for stack in [Stack::Encoder, Stack::Decoder] {
-        let p = stack.hf_prefix();
-        if spec.separate_embeddings(stack) {
-            t.push((embed_tokens_name(stack), vec![spec.vocab_size, d]));
-        }
-        for block in 0..spec.num_layers(stack) {
-            let mut attention = |sub: usize, module: &str, with_bias: bool| {
-                let a = format!("{p}.block.{block}.layer.{sub}");
-                for proj in ["q", "k", "v"] {
-                    t.push((format!("{a}.{module}.{proj}.weight"), vec![inner, d]));
-                }
-                t.push((format!("{a}.{module}.o.weight"), vec![d, inner]));
-                if with_bias {
-                    t.push((
-                        format!("{a}.{module}.relative_attention_bias.weight"),
-                        vec![spec.relative_attention_num_buckets, spec.num_heads],
-                    ));
-                }
-                t.push((format!("{a}.layer_norm.weight"), vec![d]));
-            };
-            attention(0, "SelfAttention", block == 0);
-            if stack == Stack::Decoder {
-                attention(1, "EncDecAttention", false);
-            }
-            let ff = ff_prefix(stack, block);
-            t.push((format!("{ff}.layer_norm.weight"), vec![d]));
-            if spec.is_sparse(stack, block) {
-                t.push((
-                    format!("{ff}.mlp.router.classifier.weight"),
-                    vec![spec.num_experts, d],
-                ));
-                if spec.router_bias {
-                    t.push((
-                        format!("{ff}.mlp.router.classifier.bias"),
-                        vec![spec.num_experts],
-                    ));
-                }
-            } else {
-                t.push((format!("{ff}.mlp.wi.weight"), vec![d_ff, d]));
-                t.push((format!("{ff}.mlp.wo.weight"), vec![d, d_ff]));
-            }
-        }
-        t.push((format!("{p}.final_layer_norm.weight"), vec![d]));
-    }
-    t
+    let mut tensors = Vec::new();
+    SwitchModel::assemble(spec, &mut |name, shape| {
+        tensors.push((name.to_string(), shape.to_vec()));
+        Ok(Tensor::new())
+    })
+    .expect("assembling placeholders cannot fail");
+    tensors
 }
 
 enum FeedForward {
@@ -152,21 +111,35 @@ pub struct DecoderState {
 }
 
 impl SwitchModel {
-    /// Loads the resident weights (owned f32 copies) from `files`, on the CPU.
+    /// Loads the resident weights (owned f32 copies) from `files` (a bundle's resident file), on
+    /// the CPU.
     pub fn load(spec: &SwitchSpec, files: &WeightFiles) -> Result<Self> {
         Self::load_on(spec, files, Device::Cpu)
     }
 
     /// Loads the resident weights onto `device` (`Device::Cuda(0)` on a Jetson: the dense math
-    /// runs there; experts are decoded on the host and moved when used).
+    /// runs there; experts are decoded on the host and moved when used). A tensor of `files`
+    /// that the model does not use is an error naming it.
     pub fn load_on(spec: &SwitchSpec, files: &WeightFiles, device: Device) -> Result<Self> {
         let _guard = tch::no_grad_guard();
         let mut resident_bytes = 0u64;
-        let mut get = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            let t = files.load_f32(name, shape)?.f_to_device(device)?;
-            resident_bytes += (t.numel() * 4) as u64;
-            Ok(t)
-        };
+        let mut model = files.load_all(|loader| {
+            Self::assemble(spec, &mut |name, shape| {
+                let t = loader.take_f32(name, shape)?.f_to_device(device)?;
+                resident_bytes += (t.numel() * 4) as u64;
+                Ok(t)
+            })
+        })?;
+        model.resident_bytes = resident_bytes;
+        Ok(model)
+    }
+
+    /// The model from `get(name, shape)` of each resident tensor: the one place the tensor names
+    /// of Switch Transformers are spelled (besides experts and redundant copies, above).
+    fn assemble(
+        spec: &SwitchSpec,
+        get: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+    ) -> Result<Self> {
         let (d, inner, d_ff) = (spec.d_model, spec.inner_dim(), spec.d_ff);
         let shared = get("shared.weight", &[spec.vocab_size, d])?;
         let lm_head = if spec.tie_word_embeddings {
@@ -265,7 +238,7 @@ impl SwitchModel {
             lm_head,
             encoder,
             decoder,
-            resident_bytes,
+            resident_bytes: 0,
         })
     }
 
