@@ -13,11 +13,7 @@ use safetensors::tensor::{Dtype, TensorView};
 
 /// Loads the bundle's model, whichever architecture it is.
 fn load(bundle: &Path) -> edgemoe::Result<()> {
-    let bundle = Bundle::open(bundle)?;
-    match bundle.config.model.as_switch() {
-        Some(_) => bundle.load_model().map(drop),
-        None => bundle.load_decoder_only().map(drop),
-    }
+    Bundle::open(bundle)?.load_model(tch::Device::Cpu).map(drop)
 }
 
 /// Rewrites the bundle's resident file with `extra` (an f32 `[2]`) added.
