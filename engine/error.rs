@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 use crate::ids::ExpertId;
+use crate::units::{format_bytes, InvalidSize};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -44,11 +45,11 @@ pub enum Error {
     },
 
     #[error("memory budget {budget} is too small: resident weights take {resident}, working memory {working}, {slots} expert slot(s) {slot} each; the minimum budget is {minimum} ({minimum_bytes} bytes)",
-        budget = crate::units::format_bytes(*budget_bytes),
-        resident = crate::units::format_bytes(*resident_bytes),
-        working = crate::units::format_bytes(*working_bytes),
-        slot = crate::units::format_bytes(*slot_bytes),
-        minimum = crate::units::format_bytes(*minimum_bytes))]
+        budget = format_bytes(*budget_bytes),
+        resident = format_bytes(*resident_bytes),
+        working = format_bytes(*working_bytes),
+        slot = format_bytes(*slot_bytes),
+        minimum = format_bytes(*minimum_bytes))]
     BudgetTooSmall {
         budget_bytes: u64,
         resident_bytes: u64,
@@ -87,6 +88,12 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<InvalidSize> for Error {
+    fn from(e: InvalidSize) -> Self {
+        Error::Input(e.0)
+    }
+}
 
 impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {

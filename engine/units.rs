@@ -1,17 +1,31 @@
-//! Sizes as people write them: `1.5GiB` ↔ bytes.
+//! Sizes as people write them: `1.5GiB` ↔ bytes. A leaf: it imports nothing from the crate
+//! (the error type formats budgets with it), so a size that does not parse is an
+//! [`InvalidSize`], which converts into the crate's `Error::Input`.
 
-use crate::error::{Error, Result};
+use std::fmt;
+
+/// A size that does not parse; its text says what was wrong and what is expected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidSize(pub String);
+
+impl fmt::Display for InvalidSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidSize {}
 
 /// Parses `1.5GiB`, `512MiB`, `2GB`, `800M`, `1048576` (bytes). Binary units (KiB, MiB, GiB)
 /// are powers of 1024; decimal ones (KB, MB, GB) powers of 1000; a bare `K`/`M`/`G` is binary.
-pub fn parse_bytes(text: &str) -> Result<u64> {
+pub fn parse_bytes(text: &str) -> Result<u64, InvalidSize> {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
     let value: f64 = number.parse().map_err(|_| {
-        Error::Input(format!(
+        InvalidSize(format!(
             "invalid size `{text}`: expected e.g. 1.5GiB, 512MiB or a number of bytes"
         ))
     })?;
@@ -24,14 +38,14 @@ pub fn parse_bytes(text: &str) -> Result<u64> {
         "mb" => 1e6,
         "gb" => 1e9,
         other => {
-            return Err(Error::Input(format!(
+            return Err(InvalidSize(format!(
                 "invalid size `{text}`: unknown unit `{other}` (use B, KiB, MiB, GiB, KB, MB or GB)"
             )))
         }
     };
     let bytes = value * multiplier;
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
-        return Err(Error::Input(format!("invalid size `{text}`")));
+        return Err(InvalidSize(format!("invalid size `{text}`")));
     }
     Ok(bytes.round() as u64)
 }
