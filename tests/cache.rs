@@ -1,23 +1,30 @@
-//! The expert buffer on the trained demo model: outputs are token-identical under every policy,
+//! The expert buffer, for every architecture: outputs are token-identical under every policy,
 //! with prefetch on and off, at every buffer size; a live run's trace replays to exactly its hit
-//! counts; a tiny buffer with prefetch survives many tokens and shuts its thread down.
+//! counts (Belady bounding every online policy); a tiny buffer with prefetch survives many
+//! tokens and shuts its thread down. The Switch side runs the trained demo model calibrated on
+//! SAMSum; the decoder-only side the tiny fixtures with a dictionary calibrated on their golden
+//! prompts.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+
+use common::engine::{load_decoder, open_summarizer_with, summarize_all, CacheOptions};
+use common::golden::{decoder_golden, golden_dictionary, greedy_options, DecoderGolden};
 
 use edgemoe::bundle::Bundle;
 use edgemoe::cache::replay::replay;
 use edgemoe::cache::trace::read_trace;
 use edgemoe::cache::Policy;
-use edgemoe::dictionary::PATHS_FILE;
-use edgemoe::generation::decoding::DecodeOptions;
-use edgemoe::generation::input::parse_documents;
-use edgemoe::generation::session::{CacheOptions, Session, SessionOptions};
+use edgemoe::dictionary::{PathDictionary, PATHS_FILE};
+use edgemoe::generation::causal::complete;
 use edgemoe::ids::Stack;
+use edgemoe::model::DecoderOnlyModel;
 use edgemoe::offline::calibrate::{build_dictionary, collect_paths};
+use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
+use edgemoe::runtime::stats::ExpertStats;
 
 /// The demo model converted and calibrated on 20 SAMSum train dialogues, shared by the tests.
 fn calibrated_bundle() -> &'static Path {
@@ -26,9 +33,8 @@ fn calibrated_bundle() -> &'static Path {
         .get_or_init(|| {
             let dir = tempfile::tempdir().unwrap();
             let bundle = common::convert_to(&common::demo_checkpoint(), dir.path());
-            let train = std::fs::read_to_string(common::samsum("train")).unwrap();
-            let docs: Vec<String> = parse_documents(&train, "train").unwrap()[..20].to_vec();
-            let mut summarizer = open(
+            let docs = common::samsum_dialogues("train", 20);
+            let mut summarizer = open_summarizer_with(
                 &bundle,
                 big(),
                 CacheOptions {
@@ -58,46 +64,96 @@ fn big() -> u64 {
     1 << 30
 }
 
-fn open(bundle: &Path, budget: u64, cache: CacheOptions, beams: Option<usize>) -> Session {
-    let bundle = Bundle::open(bundle).unwrap();
-    let generation = bundle.config.generation.clone();
-    let mut decode = DecodeOptions::from_defaults(&generation);
-    if let Some(b) = beams {
-        decode.num_beams = b;
+/// A decoder-only fixture converted, with its model, golden file and a dictionary calibrated on
+/// its golden prompts.
+struct DecoderFixture {
+    name: &'static str,
+    _dir: tempfile::TempDir,
+    bundle: Bundle,
+    model: DecoderOnlyModel,
+    golden: DecoderGolden,
+    dictionary: Arc<PathDictionary>,
+}
+
+impl DecoderFixture {
+    fn open(name: &'static str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = Bundle::open(&common::convert_to(&common::fixture(name), dir.path())).unwrap();
+        let model = load_decoder(&bundle);
+        let golden = decoder_golden(name);
+        let dictionary = Arc::new(golden_dictionary(&bundle, &model, &golden));
+        DecoderFixture {
+            name,
+            _dir: dir,
+            bundle,
+            model,
+            golden,
+            dictionary,
+        }
     }
-    Session::open(
-        &bundle,
-        SessionOptions {
-            budget_bytes: budget,
-            decode,
-            max_input_tokens: generation.max_source_tokens,
-            cache,
-            device: tch::Device::Cpu,
-        },
-    )
-    .unwrap()
+
+    fn total_experts(&self) -> usize {
+        self.bundle.open_store().unwrap().index().experts.len()
+    }
+
+    /// An expert buffer; the dictionary is given when `dictionary` is set.
+    fn buffer(&self, options: &BufferOptions, dictionary: bool) -> ExpertBuffer {
+        ExpertBuffer::with_options(
+            self.bundle.open_store().unwrap(),
+            &self.bundle.config.model,
+            options,
+            dictionary.then(|| self.dictionary.clone()),
+        )
+        .unwrap()
+    }
+
+    /// Runs every golden prompt greedily, asserting the golden tokens.
+    fn run_golden(&self, buffer: &mut ExpertBuffer, what: &str) {
+        let options = greedy_options(&self.golden);
+        for case in &self.golden.cases {
+            let g = complete(&self.model, buffer, &case.input_ids, &options, &mut |_| {
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(g.tokens, case.greedy, "{}: {what}", self.name);
+        }
+    }
 }
 
-fn test_dialogues(n: usize) -> Vec<String> {
-    let text = std::fs::read_to_string(common::samsum("test")).unwrap();
-    parse_documents(&text, "test").unwrap()[..n].to_vec()
-}
-
-fn summarize_all(summarizer: &mut Session, docs: &[String]) -> Vec<Vec<i64>> {
-    docs.iter()
-        .map(|d| {
-            let ids = summarizer.encode(d).unwrap();
-            summarizer.run(&ids, &mut |_| Ok(())).unwrap().tokens
-        })
-        .collect()
+/// Replays the trace at `trace` and asserts it was recorded with `(slots, policy, prefetch)`,
+/// that the replay gives the live hit counts, and that Belady bounds every demand-only replay of
+/// the same trace.
+fn assert_replay_matches_live(
+    trace: &Path,
+    live: &ExpertStats,
+    policy: Policy,
+    prefetch: bool,
+    slots: usize,
+) {
+    let (header, events) = read_trace(trace).unwrap();
+    assert_eq!(
+        (header.slots, header.policy, header.prefetch),
+        (slots, policy, prefetch)
+    );
+    let replayed = replay(&header, &events, policy, slots, false);
+    assert_eq!(
+        (replayed.hits, replayed.misses),
+        (live.hits, live.misses),
+        "{policy}, prefetch {prefetch}, {slots} slots"
+    );
+    // Belady bounds every demand-only replay of the same trace.
+    let best = replay(&header, &events, Policy::Belady, slots, true).hits;
+    for p in Policy::ONLINE {
+        assert!(replay(&header, &events, p, slots, true).hits <= best);
+    }
 }
 
 #[test]
-fn outputs_identical_under_every_policy_prefetch_and_size() {
+fn switch_outputs_identical_under_every_policy_prefetch_and_size() {
     let bundle = calibrated_bundle();
-    let docs = test_dialogues(4);
+    let docs = common::samsum_dialogues("test", 4);
     let reference = summarize_all(
-        &mut open(
+        &mut open_summarizer_with(
             bundle,
             big(),
             CacheOptions {
@@ -111,7 +167,7 @@ fn outputs_identical_under_every_policy_prefetch_and_size() {
     for policy in Policy::ONLINE {
         for prefetch in [false, true] {
             for slots in [2, 10, 64] {
-                let mut s = open(
+                let mut s = open_summarizer_with(
                     bundle,
                     big(),
                     CacheOptions {
@@ -141,9 +197,39 @@ fn outputs_identical_under_every_policy_prefetch_and_size() {
 }
 
 #[test]
-fn replay_of_a_live_trace_gives_the_live_hit_counts() {
+fn decoder_outputs_identical_under_every_policy_prefetch_and_size() {
+    for name in common::DECODER_FIXTURES {
+        let fixture = DecoderFixture::open(name);
+        let total = fixture.total_experts();
+        for policy in Policy::ONLINE {
+            for prefetch in [false, true] {
+                for slots in [2, 5, total] {
+                    let what = format!("{policy}, prefetch {prefetch}, {slots} slots");
+                    let mut buffer = fixture.buffer(
+                        &BufferOptions {
+                            slots,
+                            policy,
+                            prefetch,
+                            prefetch_cap_bytes: u64::MAX / 2,
+                        },
+                        prefetch,
+                    );
+                    fixture.run_golden(&mut buffer, &what);
+                    let stats = buffer.stats();
+                    assert_eq!(stats.hits + stats.misses, stats.accesses, "{name}: {what}");
+                    if prefetch {
+                        assert!(stats.prefetch.issued > 0, "{name}: {what}: no prefetch");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn switch_replay_of_a_live_trace_gives_the_live_hit_counts() {
     let bundle = calibrated_bundle();
-    let docs = test_dialogues(3);
+    let docs = common::samsum_dialogues("test", 3);
     let dir = tempfile::tempdir().unwrap();
     for (policy, prefetch, slots) in [
         (Policy::Edgemoe, true, 6),
@@ -154,7 +240,7 @@ fn replay_of_a_live_trace_gives_the_live_hit_counts() {
         let trace = dir
             .path()
             .join(format!("{policy}-{prefetch}-{slots}.jsonl"));
-        let mut s = open(
+        let mut s = open_summarizer_with(
             bundle,
             big(),
             CacheOptions {
@@ -169,31 +255,45 @@ fn replay_of_a_live_trace_gives_the_live_hit_counts() {
         summarize_all(&mut s, &docs);
         s.buffer.finish_trace().unwrap();
         let live = s.buffer.stats().clone();
-        let (header, events) = read_trace(&trace).unwrap();
-        assert_eq!(
-            (header.slots, header.policy, header.prefetch),
-            (slots, policy, prefetch)
-        );
-        let replayed = replay(&header, &events, policy, slots, false);
-        assert_eq!(
-            (replayed.hits, replayed.misses),
-            (live.hits, live.misses),
-            "{policy}, prefetch {prefetch}, {slots} slots"
-        );
-        // Belady bounds every demand-only replay of the same trace.
-        let best = replay(&header, &events, Policy::Belady, slots, true).hits;
-        for p in Policy::ONLINE {
-            assert!(replay(&header, &events, p, slots, true).hits <= best);
+        assert_replay_matches_live(&trace, &live, policy, prefetch, slots);
+    }
+}
+
+#[test]
+fn decoder_top_k_replay_of_a_live_trace_gives_the_live_hit_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in common::DECODER_FIXTURES {
+        let fixture = DecoderFixture::open(name);
+        for (policy, prefetch, slots) in [
+            (Policy::Edgemoe, false, 6),
+            (Policy::Lru, true, 5),
+            (Policy::EdgemoePaper, true, 12),
+        ] {
+            let mut buffer = fixture.buffer(
+                &BufferOptions {
+                    slots,
+                    policy,
+                    prefetch,
+                    prefetch_cap_bytes: 8 * 4096,
+                },
+                true,
+            );
+            let trace = dir.path().join(format!("{name}-{policy}-{prefetch}.jsonl"));
+            buffer.record_trace(&trace).unwrap();
+            fixture.run_golden(&mut buffer, "traced run");
+            buffer.finish_trace().unwrap();
+            let live = buffer.stats().clone();
+            assert_replay_matches_live(&trace, &live, policy, prefetch, slots);
         }
     }
 }
 
 #[test]
-fn tiny_buffer_with_prefetch_survives_many_tokens_and_shuts_down() {
+fn switch_tiny_buffer_with_prefetch_survives_many_tokens_and_shuts_down() {
     let bundle = calibrated_bundle();
-    let docs = test_dialogues(6);
+    let docs = common::samsum_dialogues("test", 6);
     let reference = summarize_all(
-        &mut open(
+        &mut open_summarizer_with(
             bundle,
             big(),
             CacheOptions {
@@ -212,7 +312,7 @@ fn tiny_buffer_with_prefetch_survives_many_tokens_and_shuts_down() {
             prefetch_cap_bytes: Some(u64::MAX / 2),
             ..CacheOptions::default()
         };
-        let mut s = open(bundle, big(), cache, Some(3));
+        let mut s = open_summarizer_with(bundle, big(), cache, Some(3));
         let plan = s.plan;
         assert!(
             plan.resident_bytes + plan.working_bytes + plan.buffer_bytes() <= plan.budget_bytes
@@ -234,5 +334,36 @@ fn tiny_buffer_with_prefetch_survives_many_tokens_and_shuts_down() {
             exited.load(Ordering::Acquire),
             "prefetch thread joined on drop"
         );
+    }
+}
+
+#[test]
+fn decoder_tiny_buffer_with_prefetch_keeps_its_slots_and_shuts_down() {
+    for name in common::DECODER_FIXTURES {
+        let fixture = DecoderFixture::open(name);
+        for slots in [1, 2, 3] {
+            let mut buffer = fixture.buffer(
+                &BufferOptions {
+                    slots,
+                    policy: Policy::Edgemoe,
+                    prefetch: true,
+                    // No cap: as many speculative reads as the dictionary suggests.
+                    prefetch_cap_bytes: u64::MAX / 2,
+                },
+                true,
+            );
+            fixture.run_golden(&mut buffer, &format!("{slots} slots"));
+            assert_eq!(buffer.slot_count(), slots, "{name}: slots are fixed");
+            let stats = buffer.stats().clone();
+            assert_eq!(stats.hits + stats.misses, stats.accesses);
+            assert!(stats.prefetch.issued > 0, "{name}: {stats:?}");
+            let exited = buffer.prefetch_exit_flag().unwrap();
+            assert!(!exited.load(Ordering::Acquire));
+            drop(buffer);
+            assert!(
+                exited.load(Ordering::Acquire),
+                "{name}: prefetch thread joined on drop"
+            );
+        }
     }
 }

@@ -1,11 +1,15 @@
-//! The `edgemoe` binary end to end: convert, summarize, inspect, and a clear error with a
-//! non-zero exit (never a panic) for each kind of bad input.
+//! The `edgemoe` binary end to end, for both architectures: convert, summarize and inspect a
+//! Switch bundle; generate, stream, sample and inspect with a decoder-only one; each command
+//! refuses the other architecture; rouge, eval, bench and probe-storage; and a clear error with
+//! a non-zero exit (never a panic) for each kind of bad input or damaged bundle. (Converting
+//! bad checkpoints: `convert.rs`; `calibrate` and `tune-bits`: `calibrate_tune.rs`.)
 
 mod common;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+
+use common::cli::{assert_fails, run, stderr, stdout};
+use common::golden::{decoder_golden, samsum_golden};
 
 use edgemoe::bundle::EXPERTS_FILE;
 use edgemoe::config::ModelSpec;
@@ -13,43 +17,6 @@ use edgemoe::ids::ExpertId;
 use edgemoe::ids::Stack;
 use edgemoe::store::ExpertStore;
 use edgemoe::Error;
-
-fn run(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = common::edgemoe()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.unwrap_or("").as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Asserts a clean failure: exit code 1, one `error:` line mentioning every `needle`, no panic.
-fn assert_fails(out: &Output, needles: &[&str]) {
-    let err = stderr(out);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
-    assert!(!err.contains("panicked"), "panic: {err}");
-    // One error line (warnings, e.g. O_DIRECT refused by the filesystem, may come before it).
-    assert_eq!(
-        err.lines().filter(|l| l.starts_with("error: ")).count(),
-        1,
-        "stderr: {err}"
-    );
-    for needle in needles {
-        assert!(err.contains(needle), "expected `{needle}` in: {err}");
-    }
-}
 
 fn demo_bundle(dir: &Path) -> PathBuf {
     common::convert_to(&common::demo_checkpoint(), dir)
@@ -61,11 +28,7 @@ fn first_dialogue() -> String {
 }
 
 fn expected_first_ids() -> Vec<i64> {
-    let golden: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(common::fixture("samsum_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    serde_json::from_value(golden["rows"][0]["output_ids"].clone()).unwrap()
+    samsum_golden().rows[0].output_ids.clone()
 }
 
 #[test]
@@ -348,111 +311,6 @@ fn flipped_byte_is_reported_naming_the_expert_when_read() {
     );
 }
 
-fn hf_copy(dir: &Path) -> PathBuf {
-    let copy = dir.join("hf");
-    std::fs::create_dir_all(&copy).unwrap();
-    for f in [
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "tokenizer.json",
-    ] {
-        std::fs::copy(common::demo_checkpoint().join(f), copy.join(f)).unwrap();
-    }
-    copy
-}
-
-fn edit_config(hf: &Path, from: &str, to: &str) {
-    let path = hf.join("config.json");
-    let text = std::fs::read_to_string(&path).unwrap();
-    assert!(text.contains(from));
-    std::fs::write(&path, text.replace(from, to)).unwrap();
-}
-
-#[test]
-fn unsupported_or_mismatched_configs_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let hf = hf_copy(dir.path());
-    let out_dir = dir.path().join("out");
-    let convert = |hf: &Path| {
-        run(
-            &[
-                "convert",
-                "--hf",
-                hf.to_str().unwrap(),
-                "--out",
-                out_dir.to_str().unwrap(),
-            ],
-            None,
-        )
-    };
-
-    edit_config(&hf, "\"switch_transformers\"", "\"llama\"");
-    assert_fails(&convert(&hf), &["config.json", "unsupported", "llama"]);
-    edit_config(&hf, "\"llama\"", "\"switch_transformers\"");
-
-    edit_config(
-        &hf,
-        "\"dense_act_fn\": \"relu\"",
-        "\"dense_act_fn\": \"gelu_new\"",
-    );
-    assert_fails(&convert(&hf), &["config.json", "gelu_new"]);
-    edit_config(
-        &hf,
-        "\"dense_act_fn\": \"gelu_new\"",
-        "\"dense_act_fn\": \"relu\"",
-    );
-
-    // A config that promises more experts than the weights hold.
-    edit_config(&hf, "\"num_experts\": 8", "\"num_experts\": 9");
-    assert_fails(
-        &convert(&hf),
-        &[
-            "router.classifier.weight",
-            "shape [8, 256], expected [9, 256]",
-        ],
-    );
-    edit_config(&hf, "\"num_experts\": 9", "\"num_experts\": 8");
-
-    // And one with fewer experts leaves tensors unaccounted for.
-    edit_config(&hf, "\"num_experts\": 8", "\"num_experts\": 4");
-    assert_fails(
-        &convert(&hf),
-        &["expert_4", "the config and the weights disagree"],
-    );
-    edit_config(&hf, "\"num_experts\": 4", "\"num_experts\": 8");
-
-    edit_config(&hf, "\"d_ff\": 512", "\"d_ff\": 256");
-    assert_fails(&convert(&hf), &["shape [512, 256], expected [256, 256]"]);
-    edit_config(&hf, "\"d_ff\": 256", "\"d_ff\": 512");
-
-    // A checkpoint missing one expert tensor names it.
-    let weights = hf.join("model.safetensors");
-    let bytes = std::fs::read(&weights).unwrap();
-    let all = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let gone = "decoder.block.1.layer.2.mlp.experts.expert_3.wo.weight";
-    let kept: Vec<_> = all
-        .tensors()
-        .into_iter()
-        .filter(|(n, _)| n != gone)
-        .collect();
-    let pruned = safetensors::serialize(kept, None).unwrap();
-    std::fs::write(&weights, pruned).unwrap();
-    assert_fails(&convert(&hf), &[gone, "missing"]);
-
-    std::fs::write(
-        hf.join("model.safetensors"),
-        b"\x08\x00\x00\x00\x00\x00\x00\x00{}",
-    )
-    .unwrap();
-    assert_fails(&convert(&hf), &["model.safetensors"]);
-    std::fs::write(hf.join("model.safetensors"), b"garbage").unwrap();
-    assert_fails(
-        &convert(&hf),
-        &["model.safetensors", "not a valid safetensors file"],
-    );
-}
-
 #[test]
 fn budget_too_small_says_the_minimum() {
     let dir = tempfile::tempdir().unwrap();
@@ -592,66 +450,6 @@ fn rouge_scores_files_and_eval_scores_a_corpus() {
 }
 
 #[test]
-fn convert_with_bits_and_plans() {
-    let dir = tempfile::tempdir().unwrap();
-    let hf = common::demo_checkpoint();
-    let out = dir.path().join("int4");
-    let done = run(
-        &[
-            "convert",
-            "--hf",
-            hf.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--bits",
-            "4",
-        ],
-        None,
-    );
-    assert!(done.status.success(), "{}", stderr(&done));
-    let inspect = run(&["inspect", out.to_str().unwrap()], None);
-    assert!(String::from_utf8_lossy(&inspect.stdout).contains("64 × int4 (4 bits)"));
-    let summary = run(
-        &["summarize", "--model", out.to_str().unwrap(), "-q"],
-        Some("Anna: hi"),
-    );
-    assert!(summary.status.success(), "{}", stderr(&summary));
-
-    let bad = run(
-        &[
-            "convert",
-            "--hf",
-            hf.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--bits",
-            "3",
-        ],
-        None,
-    );
-    assert_eq!(bad.status.code(), Some(2));
-    let plan = dir.path().join("plan.json");
-    std::fs::write(
-        &plan,
-        r#"{"format": "edgemoe-bit-plan", "version": 1, "experts": [{"stack": "decoder", "block": 9, "expert": 0, "width": "int2"}]}"#,
-    )
-    .unwrap();
-    let bad = run(
-        &[
-            "convert",
-            "--hf",
-            hf.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--plan",
-            plan.to_str().unwrap(),
-        ],
-        None,
-    );
-    assert_fails(&bad, &["decoder block 9"]);
-}
-
-#[test]
 fn bench_smoke_two_modes_with_emulated_storage() {
     let dir = tempfile::tempdir().unwrap();
     let bundle = demo_bundle(dir.path());
@@ -776,4 +574,141 @@ fn probe_storage_measures_every_size_and_depth() {
         None,
     );
     assert_fails(&missing, &["nope"]);
+}
+
+#[test]
+fn generate_streams_the_golden_text_and_samples_reproducibly() {
+    let golden = decoder_golden("tiny-mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::convert_to(&common::fixture("tiny-mixtral"), dir.path());
+    let b = bundle.to_str().unwrap();
+    for case in &golden.cases {
+        let out = run(
+            &[
+                "generate",
+                "--model",
+                b,
+                "--prompt",
+                &case.prompt,
+                "--buffer-experts",
+                "3",
+                "--storage",
+                "cached",
+            ],
+            None,
+        );
+        assert_eq!(stdout(&out), format!("{}\n", case.greedy_text));
+        let stats = stderr(&out);
+        assert!(stats.contains("24 tokens"), "{stats}");
+    }
+    let case = &golden.cases[1];
+    let ids: Vec<String> = case.input_ids.iter().map(|t| t.to_string()).collect();
+    let stats_path = dir.path().join("stats.json");
+    let out = run(
+        &[
+            "generate",
+            "--model",
+            b,
+            "--prompt-ids",
+            &ids.join(","),
+            "--ids",
+            "--no-prefetch",
+            "--stats-json",
+            stats_path.to_str().unwrap(),
+            "-q",
+        ],
+        None,
+    );
+    let expected: Vec<String> = case.greedy.iter().map(|t| t.to_string()).collect();
+    assert_eq!(stdout(&out), format!("{}\n", expected.join(" ")));
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats_path).unwrap()).unwrap();
+    assert_eq!(stats["tokens_generated"], 24);
+    assert_eq!(stats["samples"][0]["source_tokens"], case.input_ids.len());
+
+    let sample = |seed: &str| {
+        stdout(&run(
+            &[
+                "generate",
+                "--model",
+                b,
+                "--prompt",
+                "The",
+                "--temperature",
+                "1.5",
+                "--top-p",
+                "0.9",
+                "--seed",
+                seed,
+                "--ids",
+                "-q",
+            ],
+            None,
+        ))
+    };
+    assert_eq!(sample("7"), sample("7"));
+    assert_ne!(
+        sample("7"),
+        stdout(&run(
+            &["generate", "--model", b, "--prompt", "The", "--ids", "-q"],
+            None
+        ))
+    );
+
+    let inspect = stdout(&run(&["inspect", b], None));
+    assert!(
+        inspect.contains("mixtral") && inspect.contains("top-2"),
+        "{inspect}"
+    );
+}
+
+#[test]
+fn commands_refuse_the_other_architecture() {
+    let dir = tempfile::tempdir().unwrap();
+    let decoder = common::convert_to(&common::fixture("tiny-olmoe"), &dir.path().join("d"));
+    let switch = common::convert_to(&common::fixture("tiny-tied-e4"), &dir.path().join("s"));
+    let input = dir.path().join("doc.txt");
+    std::fs::write(&input, "Anna: hi").unwrap();
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            decoder.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+        ],
+        None,
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("olmoe") && err.contains("edgemoe generate"),
+        "{err}"
+    );
+    let out = run(
+        &[
+            "generate",
+            "--model",
+            switch.to_str().unwrap(),
+            "--prompt-ids",
+            "5,6",
+        ],
+        None,
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("edgemoe summarize"), "{err}");
+    let out = run(
+        &[
+            "generate",
+            "--model",
+            decoder.to_str().unwrap(),
+            "--prompt-ids",
+            "5,999",
+        ],
+        None,
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("999") && err.contains("vocabulary"), "{err}");
 }

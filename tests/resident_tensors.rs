@@ -101,15 +101,10 @@ fn commands_name_the_unused_tensor() {
     ] {
         let bundle = common::convert_to(&common::fixture(fixture), &dir.path().join(fixture));
         add_tensor(&bundle, extra);
-        let out = common::edgemoe()
-            .args(command)
-            .args(["--model", bundle.to_str().unwrap()])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(!err.contains("panicked"), "{err}");
+        let mut args = command.to_vec();
+        args.extend(["--model", bundle.to_str().unwrap()]);
+        let out = common::cli::run(&args, None);
         let expected = format!("resident.safetensors: tensor `{extra}`: not used by the model");
-        assert!(err.contains(&expected), "{err}");
+        common::cli::assert_fails(&out, &[&expected]);
     }
 }

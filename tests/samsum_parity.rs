@@ -2,29 +2,18 @@
 //! test dialogues are token-identical to `tests/fixtures/samsum_greedy.json` (produced by
 //! `tests/fixtures/make_samsum_golden.py`), at a budget that holds every expert and at one that
 //! holds only a few. The source token ids are checked through their SHA-256 (the corpus itself
-//! stays in ../shared).
+//! stays in ../shared). (The demo is the one trained checkpoint; the tiny random fixtures of
+//! every architecture are compared with transformers in `parity.rs`.)
 
 mod common;
 
+use common::engine::{
+    encode_document, generate_ids, open_summarizer, parse_documents, CacheOptions, SessionOptions,
+};
+
 use edgemoe::bundle::Bundle;
 use edgemoe::generation::decoding::DecodeOptions;
-use edgemoe::generation::input::parse_documents;
-use edgemoe::generation::session::{CacheOptions, Session, SessionOptions};
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
-
-#[derive(Deserialize)]
-struct Expected {
-    rows: Vec<Row>,
-}
-
-#[derive(Deserialize)]
-struct Row {
-    id: String,
-    source_tokens: usize,
-    source_sha256: String,
-    output_ids: Vec<i64>,
-}
 
 fn digest(ids: &[i64]) -> String {
     let text: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
@@ -33,10 +22,7 @@ fn digest(ids: &[i64]) -> String {
 
 #[test]
 fn greedy_summaries_match_transformers_at_two_budgets() {
-    let expected: Expected = serde_json::from_str(
-        &std::fs::read_to_string(common::fixture("samsum_greedy.json")).unwrap(),
-    )
-    .unwrap();
+    let expected = common::golden::samsum_golden();
     let text =
         std::fs::read_to_string(common::samsum("test")).expect("../shared/data/samsum/test.jsonl");
     let dialogues = parse_documents(&text, "test.jsonl").unwrap();
@@ -52,12 +38,11 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
 
     let dir = tempfile::tempdir().unwrap();
     let bundle_dir = common::convert_to(&common::demo_checkpoint(), dir.path());
-    let bundle = Bundle::open(&bundle_dir).unwrap();
-    let generation = bundle.config.generation.clone();
+    let generation = Bundle::open(&bundle_dir).unwrap().config.generation;
     // 1.5 GiB holds all 64 experts; 88 MiB leaves room for about ten slots.
     for budget_mib in [1536u64, 88] {
-        let mut summarizer = Session::open(
-            &bundle,
+        let mut summarizer = open_summarizer(
+            &bundle_dir,
             SessionOptions {
                 budget_bytes: budget_mib << 20,
                 decode: DecodeOptions::from_defaults(&generation),
@@ -66,12 +51,11 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
                 cache: CacheOptions::default(),
                 device: tch::Device::Cpu,
             },
-        )
-        .unwrap();
+        );
         let slots = summarizer.plan.slots;
         for (i, row) in expected.rows.iter().enumerate() {
             assert_eq!(ids[i], row.id, "dialogue order");
-            let source = summarizer.encode(&dialogues[i]).unwrap();
+            let source = encode_document(&summarizer, &dialogues[i]);
             assert_eq!(
                 source.len(),
                 row.source_tokens,
@@ -84,7 +68,7 @@ fn greedy_summaries_match_transformers_at_two_budgets() {
                 "dialogue {} source ids",
                 row.id
             );
-            let generated = summarizer.run(&source, &mut |_| Ok(())).unwrap();
+            let generated = generate_ids(&mut summarizer, &source);
             assert_eq!(
                 generated.tokens, row.output_ids,
                 "dialogue {} at {budget_mib} MiB ({slots} slots)",

@@ -1,9 +1,25 @@
-//! Shared helpers of the integration tests: fixture paths and converting fixtures to bundles.
+//! Shared helpers of the integration tests, one copy each: fixture paths and the architectures'
+//! fixtures, converting a checkpoint to a bundle, the golden files, running the binary, editable
+//! checkpoint copies, and the engine calls that other work is renaming (sessions, model loading,
+//! expert tensor names), kept in [`engine`] so a rename touches one place.
 #![allow(dead_code)]
+
+pub mod checkpoint;
+pub mod cli;
+pub mod engine;
+pub mod golden;
 
 use std::path::{Path, PathBuf};
 
+use edgemoe::offline::bit_plan::BitPlan;
 use edgemoe::offline::convert::{convert, ConvertOptions};
+
+/// The tiny random Switch Transformers fixtures (`tests/fixtures/make_tiny_switch.py`).
+pub const SWITCH_FIXTURES: [&str; 2] = ["tiny-tied-e4", "tiny-untied-e8"];
+
+/// The tiny random decoder-only fixtures (`tests/fixtures/make_tiny_decoders.py`): Mixtral,
+/// Qwen2-MoE, OLMoE.
+pub const DECODER_FIXTURES: [&str; 3] = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-olmoe"];
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -13,7 +29,7 @@ pub fn fixture(name: &str) -> PathBuf {
     root().join("tests/fixtures").join(name)
 }
 
-/// The demo checkpoint committed with the repository.
+/// The demo checkpoint committed with the repository (a trained Switch model).
 pub fn demo_checkpoint() -> PathBuf {
     root().join("models/switch-samsum-tiny")
 }
@@ -30,22 +46,31 @@ pub fn samsum(split: &str) -> PathBuf {
         .join(format!("{split}.jsonl"))
 }
 
-/// Converts a Hugging Face directory into a bundle inside `dir`.
+/// The first `n` dialogues of a SAMSum split.
+pub fn samsum_dialogues(split: &str, n: usize) -> Vec<String> {
+    let text = std::fs::read_to_string(samsum(split)).unwrap();
+    engine::parse_documents(&text, split).unwrap()[..n].to_vec()
+}
+
+/// Converts a Hugging Face directory into `dir/bundle` at full precision.
 pub fn convert_to(hf: &Path, dir: &Path) -> PathBuf {
+    convert_with(hf, dir, BitPlan::default())
+}
+
+/// Converts a Hugging Face directory into `dir/bundle` with the expert widths of `bits`. The
+/// checkpoint's own `tokenizer.json` is bundled; the T5 one for fixtures that have none (the
+/// tiny Switch fixtures).
+pub fn convert_with(hf: &Path, dir: &Path, bits: BitPlan) -> PathBuf {
     let out = dir.join("bundle");
     convert(&ConvertOptions {
         hf_dir: hf.to_path_buf(),
         out_dir: out.clone(),
-        tokenizer: Some(t5_tokenizer()),
-        bits: Default::default(),
+        tokenizer: (!hf.join("tokenizer.json").exists()).then(t5_tokenizer),
+        bits,
         show_progress: false,
     })
     .unwrap_or_else(|e| panic!("converting {}: {e}", hf.display()));
     out
-}
-
-pub fn edgemoe() -> std::process::Command {
-    std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
 }
 
 /// Tolerance of the golden comparisons against transformers (relative, with 1 added to the
@@ -64,20 +89,4 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32]) {
         worst <= TOLERANCE,
         "{what}: max relative difference {worst} > {TOLERANCE}"
     );
-}
-
-/// The Switch model of a bundle (tests call its encoder and decoder steps directly).
-pub fn switch_model(bundle: &edgemoe::bundle::Bundle) -> edgemoe::model::SwitchModel {
-    match bundle.load_model(tch::Device::Cpu).unwrap() {
-        edgemoe::model::Model::Switch(model) => model,
-        _ => panic!("{}: not a Switch bundle", bundle.dir().display()),
-    }
-}
-
-/// The decoder-only model of a bundle.
-pub fn decoder_only_model(bundle: &edgemoe::bundle::Bundle) -> edgemoe::model::DecoderOnlyModel {
-    match bundle.load_model(tch::Device::Cpu).unwrap() {
-        edgemoe::model::Model::DecoderOnly(model) => model,
-        _ => panic!("{}: not a decoder-only bundle", bundle.dir().display()),
-    }
 }

@@ -1,0 +1,48 @@
+//! Running the `edgemoe` binary and judging its output.
+
+use std::io::Write;
+use std::process::{Output, Stdio};
+
+/// Runs `edgemoe args…` with `stdin` (nothing if `None`) on its standard input.
+pub fn run(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.unwrap_or("").as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The standard output of a run that must have succeeded.
+pub fn stdout(out: &Output) -> String {
+    assert!(out.status.success(), "stderr: {}", stderr(out));
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// Asserts a clean failure: exit code 1, one `error:` line mentioning every `needle`, no panic.
+pub fn assert_fails(out: &Output, needles: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    // One error line (warnings, e.g. O_DIRECT refused by the filesystem, may come before it).
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error: ")).count(),
+        1,
+        "stderr: {err}"
+    );
+    for needle in needles {
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+    }
+}
