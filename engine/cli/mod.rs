@@ -1312,10 +1312,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             });
             continue;
         }
-        let stats: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(&stats_path).map_err(|e| Error::io(&stats_path, e))?,
-        )?;
-        let f = |k: &str| stats[k].as_f64().unwrap_or(0.0);
+        let stats = RunStats::load(&stats_path)?;
         let ids = String::from_utf8_lossy(&output.stdout).into_owned();
         let reference_mode = if run.mode.uses_quantized_store() {
             Mode::IoQexp
@@ -1337,27 +1334,19 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             profile: profile.name.clone(),
             budget_bytes: budget,
             buffer_experts: run.buffer_experts,
-            buffer_slots: stats["buffer_slots"].as_u64().unwrap_or(0) as usize,
-            decode_ms_per_token: f("decode_ms_per_token"),
-            p50_ms: f("p50_ms"),
-            p90_ms: f("p90_ms"),
-            sample_ms: {
-                let v: Vec<f64> = stats["samples"]
-                    .as_array()
-                    .map(|a| a.iter().filter_map(|s| s["sample_ms"].as_f64()).collect())
-                    .unwrap_or_default();
-                v.iter().sum::<f64>() / v.len().max(1) as f64
-            },
-            sample_ms_all: stats["samples"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|s| s["sample_ms"].as_f64()).collect())
-                .unwrap_or_default(),
-            peak_rss_bytes: stats["peak_rss_bytes"].as_u64().unwrap_or(0),
+            buffer_slots: stats.buffer_slots,
+            decode_ms_per_token: stats.decode_ms_per_token,
+            p50_ms: stats.p50_ms,
+            p90_ms: stats.p90_ms,
+            sample_ms: stats.samples.iter().map(|s| s.sample_ms).sum::<f64>()
+                / stats.samples.len().max(1) as f64,
+            sample_ms_all: stats.samples.iter().map(|s| s.sample_ms).collect(),
+            peak_rss_bytes: stats.peak_rss_bytes,
             cgroup_peak_bytes: cgroup.as_ref().and_then(Cgroup::peak_bytes),
-            bytes_read_per_token: f("bytes_read_per_token"),
-            stall_ms_per_token: f("stall_ms_per_token"),
-            hit_ratio: f("hit_ratio"),
-            tokens: stats["tokens_generated"].as_u64().unwrap_or(0),
+            bytes_read_per_token: stats.bytes_read_per_token,
+            stall_ms_per_token: stats.stall_ms_per_token,
+            hit_ratio: stats.hit_ratio,
+            tokens: stats.tokens_generated as u64,
             outputs_match_reference: matches,
         });
     }
