@@ -1,17 +1,19 @@
 //! Charts written as SVG with plotters (no font files needed: SVG text is rendered by the
 //! viewer), each also rasterized into a PNG beside it with resvg (text drawn with the system's
-//! fonts, left out where none is installed).
+//! fonts, left out where none is installed): the bench matrix's latency charts, replayed hit
+//! ratios, and the tuner's expert-importance heat map.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
-use std::path::PathBuf;
 
+use crate::bench::report::BenchRow;
 use crate::cache::replay::ReplayResult;
 use crate::error::{Error, Result};
-use crate::ids::ExpertId;
-use crate::ids::Stack;
+use crate::ids::{ExpertId, Stack};
+use crate::runtime::modes::Mode;
+use crate::units::format_bytes;
 
 /// Rasterizes the SVG chart `svg` into `svg` with a `.png` extension.
 pub fn png_beside(svg: &Path) -> Result<PathBuf> {
@@ -168,6 +170,185 @@ pub fn importance_heatmap(
         .map_err(|e| plot_error(e.to_string()))?;
     }
     root.present().map_err(|e| plot_error(e.to_string()))?;
+    drop(root);
+    png_beside(path)?;
+    Ok(())
+}
+
+/// One colour per mode, the same in every chart.
+fn mode_color(mode: &str) -> PaletteColor<Palette99> {
+    Palette99::pick(Mode::ALL.iter().position(|m| m.name() == mode).unwrap_or(0))
+}
+
+fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::format(path, format!("cannot draw the chart: {e}"))
+}
+
+/// Per-token latency per mode at each budget (EdgeMoE Fig. 11/16 style bars).
+pub fn plot_latency_bars(rows: &[BenchRow], title: &str, path: &Path) -> Result<()> {
+    let root = SVGBackend::new(path, (900, 500)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| chart_error(path, e))?;
+    let labels: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {}",
+                r.mode,
+                r.buffer_experts
+                    .map(|n| format!("{n}e"))
+                    .unwrap_or_else(|| format_bytes(r.budget_bytes))
+            )
+        })
+        .collect();
+    let max = rows
+        .iter()
+        .map(|r| r.decode_ms_per_token)
+        .fold(1.0, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(20)
+        .x_label_area_size(120)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0..rows.len(), 0f64..max * 1.1)
+        .map_err(|e| chart_error(path, e))?;
+    chart
+        .configure_mesh()
+        .y_desc("decode ms per token")
+        .x_labels(rows.len())
+        .x_label_formatter(&|i| labels.get(*i).cloned().unwrap_or_default())
+        .x_label_style(
+            ("sans-serif", 11)
+                .into_font()
+                .transform(FontTransform::Rotate270),
+        )
+        .draw()
+        .map_err(|e| chart_error(path, e))?;
+    chart
+        .draw_series(rows.iter().enumerate().map(|(i, r)| {
+            let color = mode_color(&r.mode);
+            Rectangle::new([(i, 0.0), (i + 1, r.decode_ms_per_token)], color.filled())
+        }))
+        .map_err(|e| chart_error(path, e))?;
+    root.present().map_err(|e| chart_error(path, e))?;
+    drop(root);
+    png_beside(path)?;
+    Ok(())
+}
+
+/// Latency against budget, one line per mode (EdgeMoE Fig. 14).
+pub fn plot_latency_vs_budget(rows: &[BenchRow], title: &str, path: &Path) -> Result<()> {
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| chart_error(path, e))?;
+    let x = |r: &BenchRow| {
+        r.buffer_experts
+            .map(|n| n as f64)
+            .unwrap_or(r.budget_bytes as f64 / (1u64 << 20) as f64)
+    };
+    let xmax = rows.iter().map(x).fold(1.0, f64::max);
+    let ymax = rows
+        .iter()
+        .map(|r| r.decode_ms_per_token)
+        .fold(1.0, f64::max);
+    let by_experts = rows.iter().any(|r| r.buffer_experts.is_some());
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(20)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..xmax * 1.05, 0f64..ymax * 1.1)
+        .map_err(|e| chart_error(path, e))?;
+    chart
+        .configure_mesh()
+        .x_desc(if by_experts {
+            "buffer (experts)"
+        } else {
+            "budget (MiB)"
+        })
+        .y_desc("decode ms per token")
+        .draw()
+        .map_err(|e| chart_error(path, e))?;
+    for mode in Mode::ALL.iter() {
+        let mut points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.mode == mode.name())
+            .map(|r| (x(r), r.decode_ms_per_token))
+            .collect();
+        if points.is_empty() {
+            continue;
+        }
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let color = mode_color(mode.name()).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(points.clone(), color))
+            .map_err(|e| chart_error(path, e))?
+            .label(mode.name())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| chart_error(path, e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| chart_error(path, e))?;
+    root.present().map_err(|e| chart_error(path, e))?;
+    drop(root);
+    png_beside(path)?;
+    Ok(())
+}
+
+/// Cumulative distribution of per-sample latency per mode (EdgeMoE Fig. 12), at the first
+/// budget of each mode.
+pub fn plot_sample_cdf(rows: &[BenchRow], title: &str, path: &Path) -> Result<()> {
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| chart_error(path, e))?;
+    let xmax = rows
+        .iter()
+        .flat_map(|r| r.sample_ms_all.iter().copied())
+        .fold(1.0, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(20)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..xmax * 1.05, 0f64..1.0)
+        .map_err(|e| chart_error(path, e))?;
+    chart
+        .configure_mesh()
+        .x_desc("per-sample latency (ms)")
+        .y_desc("CDF")
+        .draw()
+        .map_err(|e| chart_error(path, e))?;
+    let mut seen = std::collections::HashSet::new();
+    for r in rows {
+        if !seen.insert(r.mode.clone()) {
+            continue;
+        }
+        let mut v = r.sample_ms_all.clone();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let n = v.len().max(1) as f64;
+        let points: Vec<(f64, f64)> = v
+            .iter()
+            .enumerate()
+            .map(|(i, &ms)| (ms, (i + 1) as f64 / n))
+            .collect();
+        let color = mode_color(&r.mode).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(points, color))
+            .map_err(|e| chart_error(path, e))?
+            .label(r.mode.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| chart_error(path, e))?;
+    root.present().map_err(|e| chart_error(path, e))?;
     drop(root);
     png_beside(path)?;
     Ok(())

@@ -1,7 +1,8 @@
 //! `edgemoe bench`: the paper's comparisons as a matrix of engine modes × memory budgets (or
 //! buffer sizes), each run in a child process — inside a memory cgroup limited to the budget
 //! where the machine allows it, so page-cache baselines pay for what they map — with the store's
-//! cached pages dropped before every run. Writes `results.json`, `results.md` and SVG plots.
+//! cached pages dropped before every run. Each child's `--stats-json` file is read back as
+//! [`RunStats`]; the matrix is written as `results.json`, `results.md` and SVG/PNG charts.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -9,12 +10,60 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use plotters::prelude::*;
-use serde::Serialize;
 
+use crate::bench::charts::{plot_latency_bars, plot_latency_vs_budget, plot_sample_cdf};
+use crate::bench::report::{BenchReport, BenchRow, FailedRun};
+use crate::bundle::EXPERTS_FILE;
+use crate::config::profile::DeviceProfile;
 use crate::error::{Error, Result};
+use crate::generation::report::RunStats;
+use crate::io::write_json;
+use crate::offline::bit_plan::BitPlan;
+use crate::offline::calibrate::read_documents;
+use crate::offline::convert::requantize_bundle;
+use crate::quant::QuantBits;
 use crate::runtime::modes::Mode;
+use crate::store::{ExpertEncoding, StorageMode};
 use crate::units::format_bytes;
+
+/// How the runs of each mode are sized.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BenchSizes {
+    /// Memory budgets; none = the profile's.
+    Budgets(Vec<u64>),
+    /// Buffer sizes in experts, each run with the profile's budget (for models far smaller than
+    /// the board).
+    BufferExperts(Vec<usize>),
+}
+
+/// What a bench matrix runs and where it writes.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// The `edgemoe` binary each run is a child of (`summarize`).
+    pub executable: PathBuf,
+    pub model: PathBuf,
+    /// Bundle of the same model with quantized experts for io-qexp/q/q+p/q+p+c; `None` makes an
+    /// all-INT4 copy in `out` when a mode needs one.
+    pub quantized: Option<PathBuf>,
+    /// Documents: JSON lines with a `dialogue` or `document` field.
+    pub data: PathBuf,
+    /// Use the first N documents.
+    pub limit: usize,
+    /// Device profile (built-in name or TOML file), passed on to every run.
+    pub profile: String,
+    pub modes: Vec<Mode>,
+    pub sizes: BenchSizes,
+    pub storage: StorageMode,
+    /// Most tokens generated per document (default: the model's generation config).
+    pub max_new_tokens: Option<usize>,
+    /// Whether to confine runs to a memory cgroup of their budget plus `cgroup_overhead_bytes`.
+    pub confine: bool,
+    /// Memory a run may use beyond its budget inside the cgroup (binary, libtorch, allocator).
+    pub cgroup_overhead_bytes: u64,
+    pub out: PathBuf,
+    /// A progress bar, and warnings on standard error as they happen.
+    pub show_progress: bool,
+}
 
 /// One cell of the matrix.
 #[derive(Debug, Clone)]
@@ -25,30 +74,29 @@ pub struct BenchRun {
     pub buffer_experts: Option<usize>,
 }
 
-/// A row of `results.json`.
-#[derive(Debug, Clone, Serialize)]
-pub struct BenchRow {
-    pub mode: String,
-    pub profile: String,
-    pub budget_bytes: u64,
-    pub buffer_experts: Option<usize>,
-    pub buffer_slots: usize,
-    pub decode_ms_per_token: f64,
-    pub p50_ms: f64,
-    pub p90_ms: f64,
-    /// Mean per-document latency (encoder + decoder).
-    pub sample_ms: f64,
-    pub sample_ms_all: Vec<f64>,
-    pub peak_rss_bytes: u64,
-    /// Peak memory of the run's cgroup (page cache included), where a cgroup could be used.
-    pub cgroup_peak_bytes: Option<u64>,
-    pub bytes_read_per_token: f64,
-    pub stall_ms_per_token: f64,
-    pub hit_ratio: f64,
-    pub tokens: u64,
-    /// The generated ids equal those of the reference mode on the same weights
-    /// (`io-free` for the bundle's store, `io-qexp` for the quantized one).
-    pub outputs_match_reference: Option<bool>,
+/// The cells, mode by mode, each mode at every size.
+pub fn plan_runs(modes: &[Mode], sizes: &BenchSizes, profile_budget_bytes: u64) -> Vec<BenchRun> {
+    let mut runs = Vec::new();
+    for &mode in modes {
+        match sizes {
+            BenchSizes::Budgets(budgets) if budgets.is_empty() => runs.push(BenchRun {
+                mode,
+                budget_bytes: Some(profile_budget_bytes),
+                buffer_experts: None,
+            }),
+            BenchSizes::Budgets(budgets) => runs.extend(budgets.iter().map(|&b| BenchRun {
+                mode,
+                budget_bytes: Some(b),
+                buffer_experts: None,
+            })),
+            BenchSizes::BufferExperts(sizes) => runs.extend(sizes.iter().map(|&n| BenchRun {
+                mode,
+                budget_bytes: None,
+                buffer_experts: Some(n),
+            })),
+        }
+    }
+    runs
 }
 
 /// Where the harness can confine a run: a cgroup v1 memory group or a v2 group.
@@ -121,9 +169,12 @@ pub fn run_child(mut command: Command, cgroup: Option<&Cgroup>) -> Result<std::p
         .map_err(|e| Error::Internal(format!("cannot run the benchmark child process: {e}")))
 }
 
-/// A progress bar over the matrix.
-pub fn progress(total: usize) -> ProgressBar {
-    let bar = ProgressBar::new(total as u64);
+fn progress(total: usize, show: bool) -> ProgressBar {
+    let bar = if show {
+        ProgressBar::new(total as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
         ProgressStyle::with_template("{msg:>20} [{bar:40}] {pos}/{len} runs ({eta})")
             .expect("valid template")
@@ -132,213 +183,249 @@ pub fn progress(total: usize) -> ProgressBar {
     bar
 }
 
-/// The markdown table of `results.md`.
-pub fn markdown(rows: &[BenchRow]) -> String {
-    let mut out = String::from(
-        "| mode | profile | budget | slots | ms/token mean | p50 | p90 | ms/sample | peak RSS | cgroup peak | read/token | stall ms/token | hit ratio | same outputs |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-    );
-    for r in rows {
-        out += &format!(
-            "| {} | {} | {}{} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {} | {} | {} | {:.2} | {:.3} | {} |\n",
-            r.mode,
-            r.profile,
-            format_bytes(r.budget_bytes),
-            r.buffer_experts.map(|n| format!(" ({n} experts)")).unwrap_or_default(),
-            r.buffer_slots,
-            r.decode_ms_per_token,
-            r.p50_ms,
-            r.p90_ms,
-            r.sample_ms,
-            format_bytes(r.peak_rss_bytes),
-            r.cgroup_peak_bytes.map(format_bytes).unwrap_or_else(|| "-".into()),
-            format_bytes(r.bytes_read_per_token as u64),
-            r.stall_ms_per_token,
-            r.hit_ratio,
-            match r.outputs_match_reference {
-                Some(true) => "yes",
-                Some(false) => "NO",
-                None => "-",
-            }
+fn storage_flag(storage: StorageMode) -> &'static str {
+    match storage {
+        StorageMode::Cached => "cached",
+        StorageMode::Direct => "direct",
+        StorageMode::Emulate => "emulate",
+    }
+}
+
+/// The `--quantized` bundle the runs use: the given one, or an all-INT4 copy of the model in
+/// `out` when a mode reads the quantized store.
+fn quantized_bundle(options: &BenchOptions) -> Result<Option<PathBuf>> {
+    if let Some(q) = &options.quantized {
+        return Ok(Some(q.clone()));
+    }
+    if !options.modes.iter().any(|m| m.uses_quantized_store()) {
+        return Ok(None);
+    }
+    let q = options.out.join("quantized-int4");
+    if options.show_progress {
+        eprintln!(
+            "writing an all-INT4 copy of {} into {}",
+            options.model.display(),
+            q.display()
         );
     }
-    out
+    requantize_bundle(
+        &options.model,
+        &q,
+        &BitPlan::uniform(ExpertEncoding::Quant(QuantBits::Int4)),
+    )?;
+    Ok(Some(q))
 }
 
-/// One colour per mode, the same in every chart.
-fn mode_color(mode: &str) -> PaletteColor<Palette99> {
-    Palette99::pick(Mode::ALL.iter().position(|m| m.name() == mode).unwrap_or(0))
+/// A row of `results.json` from a run's statistics.
+fn row(run: &BenchRun, profile: &str, budget_bytes: u64, stats: &RunStats) -> BenchRow {
+    let sample_ms_all: Vec<f64> = stats.samples.iter().map(|s| s.sample_ms).collect();
+    BenchRow {
+        mode: run.mode.name().into(),
+        profile: profile.into(),
+        budget_bytes,
+        buffer_experts: run.buffer_experts,
+        buffer_slots: stats.buffer_slots,
+        decode_ms_per_token: stats.decode_ms_per_token,
+        p50_ms: stats.p50_ms,
+        p90_ms: stats.p90_ms,
+        sample_ms: sample_ms_all.iter().sum::<f64>() / sample_ms_all.len().max(1) as f64,
+        sample_ms_all,
+        peak_rss_bytes: stats.peak_rss_bytes,
+        cgroup_peak_bytes: None,
+        bytes_read_per_token: stats.bytes_read_per_token,
+        stall_ms_per_token: stats.stall_ms_per_token,
+        hit_ratio: stats.hit_ratio,
+        tokens: stats.tokens_generated as u64,
+        outputs_match_reference: None,
+    }
 }
 
-fn chart_error(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::format(path, format!("cannot draw the chart: {e}"))
-}
-
-/// Per-token latency per mode at each budget (EdgeMoE Fig. 11/16 style bars).
-pub fn plot_latency_bars(rows: &[BenchRow], title: &str, path: &Path) -> Result<()> {
-    let root = SVGBackend::new(path, (900, 500)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| chart_error(path, e))?;
-    let labels: Vec<String> = rows
+/// Runs the matrix and writes `input.jsonl`, `runs/*.json`, `results.json`, `results.md` and the
+/// charts into `out`. A run that fails is reported (and left out of the results); a run whose
+/// statistics cannot be read back is an error.
+pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
+    let profile = DeviceProfile::load(&options.profile)?;
+    let out = &options.out;
+    std::fs::create_dir_all(out.join("runs")).map_err(|e| Error::io(out, e))?;
+    // The documents, as JSON lines for the child processes.
+    let documents = read_documents(&options.data, Some(options.limit))?;
+    let input = out.join("input.jsonl");
+    let lines: Vec<String> = documents
         .iter()
-        .map(|r| {
-            format!(
-                "{} {}",
-                r.mode,
-                r.buffer_experts
-                    .map(|n| format!("{n}e"))
-                    .unwrap_or_else(|| format_bytes(r.budget_bytes))
-            )
-        })
+        .map(|d| serde_json::json!({ "document": d }).to_string())
         .collect();
-    let max = rows
-        .iter()
-        .map(|r| r.decode_ms_per_token)
-        .fold(1.0, f64::max);
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(20)
-        .x_label_area_size(120)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0..rows.len(), 0f64..max * 1.1)
-        .map_err(|e| chart_error(path, e))?;
-    chart
-        .configure_mesh()
-        .y_desc("decode ms per token")
-        .x_labels(rows.len())
-        .x_label_formatter(&|i| labels.get(*i).cloned().unwrap_or_default())
-        .x_label_style(
-            ("sans-serif", 11)
-                .into_font()
-                .transform(FontTransform::Rotate270),
-        )
-        .draw()
-        .map_err(|e| chart_error(path, e))?;
-    chart
-        .draw_series(rows.iter().enumerate().map(|(i, r)| {
-            let color = mode_color(&r.mode);
-            Rectangle::new([(i, 0.0), (i + 1, r.decode_ms_per_token)], color.filled())
-        }))
-        .map_err(|e| chart_error(path, e))?;
-    root.present().map_err(|e| chart_error(path, e))?;
-    drop(root);
-    crate::bench::charts::png_beside(path)?;
-    Ok(())
-}
+    std::fs::write(&input, lines.join("\n") + "\n").map_err(|e| Error::io(&input, e))?;
+    let quantized = quantized_bundle(options)?;
+    let runs = plan_runs(&options.modes, &options.sizes, profile.budget_bytes);
 
-/// Latency against budget, one line per mode (EdgeMoE Fig. 14).
-pub fn plot_latency_vs_budget(rows: &[BenchRow], title: &str, path: &Path) -> Result<()> {
-    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| chart_error(path, e))?;
-    let x = |r: &BenchRow| {
-        r.buffer_experts
-            .map(|n| n as f64)
-            .unwrap_or(r.budget_bytes as f64 / (1u64 << 20) as f64)
-    };
-    let xmax = rows.iter().map(x).fold(1.0, f64::max);
-    let ymax = rows
-        .iter()
-        .map(|r| r.decode_ms_per_token)
-        .fold(1.0, f64::max);
-    let by_experts = rows.iter().any(|r| r.buffer_experts.is_some());
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(20)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0f64..xmax * 1.05, 0f64..ymax * 1.1)
-        .map_err(|e| chart_error(path, e))?;
-    chart
-        .configure_mesh()
-        .x_desc(if by_experts {
-            "buffer (experts)"
+    let progress = progress(runs.len(), options.show_progress);
+    let mut rows: Vec<BenchRow> = Vec::new();
+    let mut failed = Vec::new();
+    // Each run's generated ids, to compare with the reference mode's.
+    let mut outputs: Vec<(Mode, String)> = Vec::new();
+    let mut cgroup_note = None;
+    for (i, run) in runs.iter().enumerate() {
+        let budget = run.budget_bytes.unwrap_or(profile.budget_bytes);
+        let label = format!(
+            "{} {}",
+            run.mode,
+            run.buffer_experts
+                .map(|n| format!("{n} experts"))
+                .unwrap_or_else(|| format_bytes(budget))
+        );
+        progress.set_message(label.clone());
+        let stats_path = out
+            .join("runs")
+            .join(format!("{i:02}-{}.json", run.mode.name().replace('+', "p")));
+        let mut command = Command::new(&options.executable);
+        command
+            .arg("summarize")
+            .arg("--model")
+            .arg(&options.model)
+            .arg("--input")
+            .arg(&input)
+            .arg("--mode")
+            .arg(run.mode.name())
+            .arg("--profile")
+            .arg(&options.profile)
+            .arg("--device")
+            .arg("cpu")
+            .arg("--storage")
+            .arg(storage_flag(options.storage))
+            .arg("--budget")
+            .arg(budget.to_string())
+            .arg("--stats-json")
+            .arg(&stats_path)
+            .arg("--ids")
+            .arg("-q");
+        if let Some(n) = run.buffer_experts {
+            command.arg("--buffer-experts").arg(n.to_string());
+        }
+        if let Some(n) = options.max_new_tokens {
+            command.arg("--max-new-tokens").arg(n.to_string());
+        }
+        if let Some(q) = &quantized {
+            command.arg("--quantized").arg(q);
+        }
+        for bundle in std::iter::once(&options.model).chain(quantized.as_ref()) {
+            crate::io::drop_cached_pages(&bundle.join(EXPERTS_FILE));
+        }
+        // io-free is the infinite-memory oracle: it is not confined.
+        let confine = options.confine && run.mode != Mode::IoFree;
+        let cgroup = if confine {
+            Cgroup::create(i, budget + options.cgroup_overhead_bytes)
         } else {
-            "budget (MiB)"
-        })
-        .y_desc("decode ms per token")
-        .draw()
-        .map_err(|e| chart_error(path, e))?;
-    for mode in Mode::ALL.iter() {
-        let mut points: Vec<(f64, f64)> = rows
-            .iter()
-            .filter(|r| r.mode == mode.name())
-            .map(|r| (x(r), r.decode_ms_per_token))
-            .collect();
-        if points.is_empty() {
+            None
+        };
+        if cgroup.is_none() && confine && cgroup_note.is_none() {
+            let note = "no writable memory cgroup here: runs are not confined to their budget";
+            if options.show_progress {
+                eprintln!("warning: {note}");
+            }
+            cgroup_note = Some(note.to_string());
+        }
+        let output = run_child(command, cgroup.as_ref())?;
+        progress.inc(1);
+        if !output.status.success() {
+            let failure = FailedRun {
+                label,
+                status: output.status.to_string(),
+                stderr: String::from_utf8_lossy(&output.stderr).trim().to_string(),
+            };
+            if options.show_progress {
+                progress.suspend(|| eprintln!("warning: {failure}"));
+            }
+            failed.push(failure);
             continue;
         }
-        points.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let color = mode_color(mode.name()).stroke_width(2);
-        chart
-            .draw_series(LineSeries::new(points.clone(), color))
-            .map_err(|e| chart_error(path, e))?
-            .label(mode.name())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-        chart
-            .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
-            .map_err(|e| chart_error(path, e))?;
+        let stats = RunStats::load(&stats_path)?;
+        let ids = String::from_utf8_lossy(&output.stdout).into_owned();
+        // The reference is the mode that reads the same store without a buffer: io-free for the
+        // bundle's, io-qexp for the quantized one; else the first run on the same store.
+        let reference_mode = if run.mode.uses_quantized_store() {
+            Mode::IoQexp
+        } else {
+            Mode::IoFree
+        };
+        let reference = outputs
+            .iter()
+            .find(|(m, _)| *m == reference_mode)
+            .or_else(|| {
+                outputs
+                    .iter()
+                    .find(|(m, _)| m.uses_quantized_store() == run.mode.uses_quantized_store())
+            });
+        let outputs_match_reference = reference.map(|(_, r)| *r == ids);
+        outputs.push((run.mode, ids));
+        rows.push(BenchRow {
+            cgroup_peak_bytes: cgroup.as_ref().and_then(Cgroup::peak_bytes),
+            outputs_match_reference,
+            ..row(run, &profile.name, budget, &stats)
+        });
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| chart_error(path, e))?;
-    root.present().map_err(|e| chart_error(path, e))?;
-    drop(root);
-    crate::bench::charts::png_beside(path)?;
-    Ok(())
+    progress.finish_and_clear();
+
+    let results_json = out.join("results.json");
+    write_json(&results_json, &rows)?;
+    let markdown = format!(
+        "{} documents from {}, profile {} ({}), storage {:?}{}\n\n{}",
+        documents.len(),
+        options.data.display(),
+        profile.name,
+        profile.description,
+        options.storage,
+        cgroup_note
+            .as_ref()
+            .map(|n| format!("; {n}"))
+            .unwrap_or_default(),
+        crate::bench::report::markdown(&rows)
+    );
+    let results_md = out.join("results.md");
+    std::fs::write(&results_md, &markdown).map_err(|e| Error::io(&results_md, e))?;
+    write_charts(
+        &rows,
+        &format!("{} · {}", profile.name, options.model.display()),
+        out,
+    )?;
+    Ok(BenchReport {
+        rows,
+        documents: documents.len(),
+        markdown,
+        results_json,
+        results_md,
+        failed,
+        cgroup_note,
+    })
 }
 
-/// Cumulative distribution of per-sample latency per mode (EdgeMoE Fig. 12), at the first
-/// budget of each mode.
-pub fn plot_sample_cdf(rows: &[BenchRow], title: &str, path: &Path) -> Result<()> {
-    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| chart_error(path, e))?;
-    let xmax = rows
+/// `latency.svg`, `latency-vs-budget.svg`, `sample-cdf.svg` and, when any of its modes ran,
+/// `ablation.svg` (each with a PNG beside it).
+fn write_charts(rows: &[BenchRow], title: &str, out: &Path) -> Result<()> {
+    plot_latency_bars(
+        rows,
+        &format!("per-token latency · {title}"),
+        &out.join("latency.svg"),
+    )?;
+    plot_latency_vs_budget(
+        rows,
+        &format!("latency vs memory · {title}"),
+        &out.join("latency-vs-budget.svg"),
+    )?;
+    plot_sample_cdf(
+        rows,
+        &format!("per-sample latency · {title}"),
+        &out.join("sample-cdf.svg"),
+    )?;
+    let ablation: Vec<BenchRow> = ["io-exp", "q", "q+p", "q+p+c"]
         .iter()
-        .flat_map(|r| r.sample_ms_all.iter().copied())
-        .fold(1.0, f64::max);
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(20)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0f64..xmax * 1.05, 0f64..1.0)
-        .map_err(|e| chart_error(path, e))?;
-    chart
-        .configure_mesh()
-        .x_desc("per-sample latency (ms)")
-        .y_desc("CDF")
-        .draw()
-        .map_err(|e| chart_error(path, e))?;
-    let mut seen = std::collections::HashSet::new();
-    for r in rows {
-        if !seen.insert(r.mode.clone()) {
-            continue;
-        }
-        let mut v = r.sample_ms_all.clone();
-        v.sort_by(|a, b| a.total_cmp(b));
-        let n = v.len().max(1) as f64;
-        let points: Vec<(f64, f64)> = v
-            .iter()
-            .enumerate()
-            .map(|(i, &ms)| (ms, (i + 1) as f64 / n))
-            .collect();
-        let color = mode_color(&r.mode).stroke_width(2);
-        chart
-            .draw_series(LineSeries::new(points, color))
-            .map_err(|e| chart_error(path, e))?
-            .label(r.mode.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        .filter_map(|m| rows.iter().find(|r| r.mode == *m).cloned())
+        .collect();
+    if !ablation.is_empty() {
+        plot_latency_bars(
+            &ablation,
+            &format!("ablation · {title}"),
+            &out.join("ablation.svg"),
+        )?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(|e| chart_error(path, e))?;
-    root.present().map_err(|e| chart_error(path, e))?;
-    drop(root);
-    crate::bench::charts::png_beside(path)?;
     Ok(())
 }

@@ -1,7 +1,11 @@
-//! Run statistics: what a run did and cost, as JSON (`--stats-json`) and as a one-line summary.
+//! Run statistics: what a run did and cost, as JSON (`--stats-json`, read back by `bench`) and
+//! as a one-line summary.
 
-use serde::Serialize;
+use std::path::Path;
 
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
 use crate::generation::decoding::Generation;
 use crate::generation::session::CacheOptions;
 use crate::runtime::budget::BudgetPlan;
@@ -9,7 +13,7 @@ use crate::runtime::stats::{DictionaryStats, ExpertStats, LayerStats, PrefetchSt
 use crate::units::format_bytes;
 
 /// Per-document figures.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct SampleStats {
     pub source_tokens: usize,
     pub tokens_generated: usize,
@@ -19,7 +23,9 @@ pub struct SampleStats {
     pub decode_ms_per_token: f64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// The statistics of one run: the `--stats-json` file. Its key names are an interface (scripts
+/// and `bench` read them); every field is required when it is read back.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct RunStats {
     pub documents: usize,
     pub tokens_generated: usize,
@@ -45,7 +51,8 @@ pub struct RunStats {
     pub stall_ms: f64,
     pub stall_ms_per_token: f64,
     pub mode: String,
-    /// Device profile the run used, if any.
+    /// Device profile the run used, if any (`null` in the file; the key itself is required).
+    #[serde(deserialize_with = "Option::deserialize")]
     pub profile: Option<String>,
     pub policy: String,
     pub prefetch_enabled: bool,
@@ -94,6 +101,16 @@ pub fn percentile(values: &[f64], q: f64) -> f64 {
 }
 
 impl RunStats {
+    /// Reads a `--stats-json` file; a missing key is an error naming the file.
+    pub fn load(path: &Path) -> Result<RunStats> {
+        crate::io::read_json(path)
+    }
+
+    /// Writes the `--stats-json` file (pretty JSON).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        crate::io::write_json(path, self)
+    }
+
     pub fn new(
         generations: &[(usize, Generation)],
         experts: &ExpertStats,
@@ -202,5 +219,154 @@ mod tests {
     #[test]
     fn reads_peak_rss() {
         assert!(peak_rss_bytes() > 0);
+    }
+
+    fn example() -> RunStats {
+        RunStats {
+            documents: 2,
+            tokens_generated: 17,
+            decode_ms_per_token: 12.5,
+            p50_ms: 11.0,
+            p90_ms: 20.25,
+            tokens_per_s: 80.0,
+            encode_ms: 30.5,
+            hit_ratio: 0.75,
+            expert_accesses: 64,
+            hits: 48,
+            misses: 16,
+            demand_misses: 16,
+            per_layer: vec![LayerStats {
+                stack: "decoder".into(),
+                block: 3,
+                accesses: 64,
+                hits: 48,
+                hit_ratio: 0.75,
+            }],
+            bytes_read: 1 << 20,
+            bytes_read_per_token: 61680.9,
+            read_ms: 4.0,
+            stall_ms: 5.5,
+            stall_ms_per_token: 0.3,
+            mode: "q+p+c".into(),
+            profile: Some("rpi5-nvme".into()),
+            policy: "edgemoe".into(),
+            prefetch_enabled: true,
+            prefetch: PrefetchStats {
+                issued: 9,
+                useful: 7,
+                cancelled: 1,
+                bytes_read: 4096,
+                wasted_bytes: 512,
+            },
+            dictionary: DictionaryStats {
+                predictions: 30,
+                top1_correct: 21,
+                top1_accuracy: 0.7,
+            },
+            peak_rss_bytes: 300 << 20,
+            budget_bytes: 1 << 30,
+            resident_bytes: 200 << 20,
+            working_bytes: 50 << 20,
+            buffer_bytes: 64 << 20,
+            buffer_slots: 6,
+            output_ids: vec![vec![1, 2, 3], vec![]],
+            samples: vec![SampleStats {
+                source_tokens: 40,
+                tokens_generated: 17,
+                encode_ms: 30.5,
+                sample_ms: 250.0,
+                decode_ms_per_token: 12.5,
+            }],
+        }
+    }
+
+    #[test]
+    fn stats_read_back_equal_and_keep_their_keys() {
+        let stats = example();
+        let json = serde_json::to_value(&stats).unwrap();
+        // The key names scripts read: a rename must be deliberate.
+        let mut keys: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        keys.sort_unstable();
+        let mut expected = vec![
+            "documents",
+            "tokens_generated",
+            "decode_ms_per_token",
+            "p50_ms",
+            "p90_ms",
+            "tokens_per_s",
+            "encode_ms",
+            "hit_ratio",
+            "expert_accesses",
+            "hits",
+            "misses",
+            "demand_misses",
+            "per_layer",
+            "bytes_read",
+            "bytes_read_per_token",
+            "read_ms",
+            "stall_ms",
+            "stall_ms_per_token",
+            "mode",
+            "profile",
+            "policy",
+            "prefetch_enabled",
+            "prefetch",
+            "dictionary",
+            "peak_rss_bytes",
+            "budget_bytes",
+            "resident_bytes",
+            "working_bytes",
+            "buffer_bytes",
+            "buffer_slots",
+            "output_ids",
+            "samples",
+        ];
+        expected.sort_unstable();
+        assert_eq!(keys, expected);
+        assert_eq!(
+            json["samples"][0].as_object().unwrap().len(),
+            5,
+            "{}",
+            json["samples"][0]
+        );
+        let back: RunStats = serde_json::from_value(json).unwrap();
+        assert_eq!(back, stats);
+
+        let no_profile = RunStats {
+            profile: None,
+            ..example()
+        };
+        let text = serde_json::to_string_pretty(&no_profile).unwrap();
+        assert_eq!(serde_json::from_str::<RunStats>(&text).unwrap(), no_profile);
+    }
+
+    #[test]
+    fn a_missing_key_fails_naming_the_file_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        for (path, key) in [
+            (&[][..], "p50_ms"),
+            (&[][..], "profile"),
+            (&["prefetch"][..], "useful"),
+            (&["dictionary"][..], "top1_accuracy"),
+        ] {
+            let mut json = serde_json::to_value(example()).unwrap();
+            let mut object = &mut json;
+            for p in path {
+                object = &mut object[*p];
+            }
+            object.as_object_mut().unwrap().remove(key);
+            let file = dir.path().join("stats.json");
+            std::fs::write(&file, json.to_string()).unwrap();
+            let error = RunStats::load(&file).unwrap_err().to_string();
+            assert!(
+                error.contains("stats.json") && error.contains(&format!("missing field `{key}`")),
+                "{error}"
+            );
+        }
     }
 }

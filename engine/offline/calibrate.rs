@@ -1,15 +1,114 @@
 //! `calibrate`: run the model over a corpus, record each token's activation path, build the
-//! [`PathDictionary`] and measure how well it predicts held-out tokens.
+//! [`PathDictionary`] and measure how well it predicts held-out tokens. [`calibrate`] is the
+//! whole run (documents, held-out split, session, dictionary saved into the bundle, report);
+//! the pieces below it are its steps.
+
+use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::dictionary::{evaluate, LayerAccuracy, PathDictionary, StackPaths};
-use crate::error::Result;
+use crate::bundle::Bundle;
+use crate::cache::Policy;
+use crate::dictionary::{evaluate, LayerAccuracy, PathDictionary, StackPaths, PATHS_FILE};
+use crate::error::{Error, Result};
 use crate::generation::decoding::Generation;
-use crate::generation::session::Session;
+use crate::generation::input::parse_documents;
+use crate::generation::session::{CacheOptions, Session, SessionOptions};
 use crate::ids::Stack;
 use crate::model::LayerRoute;
+
+/// Longest prompt (its last tokens) when `calibrate` and `tune-bits` feed a document to a
+/// decoder-only model.
+pub const DOCUMENT_PROMPT_TOKENS: usize = 512;
+
+/// Reads documents (JSON lines with a `dialogue` or `document` field, or one plain document),
+/// keeping the first `limit`.
+pub fn read_documents(path: &Path, limit: Option<usize>) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut documents = parse_documents(&text, &path.display().to_string())?;
+    if let Some(n) = limit {
+        documents.truncate(n);
+    }
+    Ok(documents)
+}
+
+/// What a calibration run reads.
+#[derive(Debug, Clone)]
+pub struct CalibrateOptions {
+    /// The bundle; the dictionary is written into it.
+    pub bundle: PathBuf,
+    /// Calibration corpus (JSON lines with a `dialogue` or `document` field).
+    pub data: PathBuf,
+    /// Use the first N documents of `data`.
+    pub limit: Option<usize>,
+    /// Held-out corpus and how many of its documents to use; `None` holds out the last 10% of
+    /// `data`'s documents instead.
+    pub held_out: Option<(PathBuf, usize)>,
+    pub show_progress: bool,
+}
+
+/// A finished calibration: the dictionary's accuracy and where it was written.
+#[derive(Debug, Clone)]
+pub struct CalibrationRun {
+    pub report: CalibrationReport,
+    /// The bundle's `paths.bin`.
+    pub dictionary_path: PathBuf,
+}
+
+/// Runs the model over the corpus (routing only: every expert fits, no prefetch), builds the
+/// dictionary from the calibration documents, saves it into the bundle and measures it on the
+/// held-out documents.
+pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
+    let mut documents = read_documents(&options.data, options.limit)?;
+    let held_out_documents = match &options.held_out {
+        Some((path, limit)) => read_documents(path, Some(*limit))?,
+        None => {
+            if documents.len() < 2 {
+                return Err(Error::Input(format!(
+                    "{}: need at least 2 documents to hold one out (or pass --eval-data)",
+                    options.data.display()
+                )));
+            }
+            let keep = documents.len() - (documents.len() / 10).max(1);
+            documents.split_off(keep)
+        }
+    };
+    let bundle = Bundle::open(&options.bundle)?;
+    let spec = bundle.config.model.clone();
+    let generation = &bundle.config.generation;
+    let cache = CacheOptions {
+        policy: Policy::Lru,
+        prefetch: false,
+        ..CacheOptions::default()
+    };
+    // Decoder-only models take each document as a prompt (its last DOCUMENT_PROMPT_TOKENS
+    // tokens), followed by the model's greedy continuation.
+    let mut session = Session::open(
+        &bundle,
+        SessionOptions {
+            max_input_tokens: generation.max_source_tokens.min(DOCUMENT_PROMPT_TOKENS),
+            cache,
+            ..SessionOptions::defaults(&bundle, u64::MAX / 4)
+        },
+    )?;
+    let show = options.show_progress;
+    let calibration = collect_paths(&mut session, &documents, "calibration", show)?;
+    let held_out = collect_paths(&mut session, &held_out_documents, "held out", show)?;
+    let dict = build_dictionary(
+        &calibration,
+        spec.moe_blocks(Stack::Encoder).len(),
+        spec.moe_blocks(Stack::Decoder).len(),
+        spec.num_experts(),
+        spec.top_k(),
+    );
+    let dictionary_path = bundle.path(PATHS_FILE);
+    dict.save(&dictionary_path)?;
+    Ok(CalibrationRun {
+        report: report(&dict, calibration.len(), &held_out),
+        dictionary_path,
+    })
+}
 
 /// Activation paths of one document: per stack, one path (the `k` experts of each MoE layer,
 /// layer after layer) per token.

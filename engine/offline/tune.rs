@@ -17,6 +17,9 @@
 //! summarize). Experts are tuned whole: a SwiGLU expert's `gate`, `up` and `down` share one
 //! width, as they share one blob. Every measurement is kept in
 //! a cache file next to the plan, so an interrupted or repeated run (another `P`) resumes.
+//!
+//! [`tune_bits`] is the whole run: the reference bundle (converting a checkpoint first if
+//! asked), the tuner, ROUGE-2 of the plan, and the plan, report and heat map written.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -24,14 +27,18 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
+use crate::bundle::Bundle;
 use crate::error::{Error, Result};
 use crate::generation::decoding::DecodeOptions;
 use crate::generation::input::model_input;
 use crate::generation::session::{input_ids, run_model};
 use crate::ids::ExpertId;
+use crate::io::write_json;
 use crate::model::Model;
 use crate::offline::bit_plan::BitPlan;
-use crate::offline::eval::Example;
+use crate::offline::calibrate::DOCUMENT_PROMPT_TOKENS;
+use crate::offline::convert::{convert, ConvertOptions};
+use crate::offline::eval::{read_examples, Example};
 use crate::offline::rouge;
 use crate::quant::QuantBits;
 use crate::runtime::resident::ResidentExperts;
@@ -337,6 +344,171 @@ impl<'a> Tuner<'a> {
         self.experts.reset_widths();
         Ok(total / references.len().max(1) as f64)
     }
+}
+
+/// Where the full-precision reference model comes from.
+#[derive(Debug, Clone)]
+pub enum TuneSource {
+    /// A bundle whose experts are all stored at one (full) precision.
+    Bundle(PathBuf),
+    /// A Hugging Face checkpoint, converted at its own precision into a temporary bundle first.
+    Checkpoint(PathBuf),
+}
+
+/// Draws the importance heat map: the experts' importance, a title, the SVG path. The CLI passes
+/// `bench::charts::importance_heatmap`; it is handed in because `bench` imports `offline` (for
+/// its quantized copy), so `offline` does not import `bench`.
+pub type DrawHeatMap = fn(&BTreeMap<ExpertId, f64>, &str, &Path) -> Result<()>;
+
+/// What a tuning run reads and writes.
+#[derive(Debug, Clone)]
+pub struct TuneBitsOptions {
+    pub source: TuneSource,
+    /// Validation data: JSON lines with `dialogue`/`document` and `summary` fields.
+    pub data: PathBuf,
+    /// Use the first N validation examples.
+    pub limit: usize,
+    /// Tolerable loss (0.05 = 5%).
+    pub max_loss: f64,
+    /// Most tokens generated per example (default: the model's generation config).
+    pub max_new_tokens: Option<usize>,
+    /// The plan to write; `PLAN.report.json`, `PLAN.importance.svg` and the measurement cache
+    /// `PLAN.measurements.json` go beside it.
+    pub plan_path: PathBuf,
+    /// Draws `PLAN.importance.svg`; `None` draws none.
+    pub heat_map: Option<DrawHeatMap>,
+    pub show_progress: bool,
+}
+
+/// A finished tuning run: the plan, what the tuner measured, and the plan confirmed with ROUGE-2.
+#[derive(Debug, Clone)]
+pub struct TuneBitsRun {
+    pub plan: BitPlan,
+    pub report: TuneReport,
+    /// Mean ROUGE-2 F of the full-precision model and of the plan on the validation examples.
+    pub rouge2_full_precision: f64,
+    pub rouge2_plan: f64,
+    pub examples: usize,
+    pub plan_path: PathBuf,
+    pub report_path: PathBuf,
+}
+
+/// `PLAN.suffix` beside the plan `PLAN.json`.
+pub fn beside_plan(plan: &Path, suffix: &str) -> PathBuf {
+    let stem = plan.file_stem().and_then(|s| s.to_str()).unwrap_or("plan");
+    plan.with_file_name(format!("{stem}.{suffix}"))
+}
+
+/// Tunes every expert's width for `max_loss` and writes the plan, its report, the importance
+/// heat map and the measurement cache.
+pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
+    // The converted bundle lives until the run ends.
+    let _temp;
+    let bundle_dir = match &options.source {
+        TuneSource::Bundle(dir) => dir.clone(),
+        TuneSource::Checkpoint(hf) => {
+            let temp = tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?;
+            let out = temp.path().join("bundle");
+            _temp = temp;
+            convert(&ConvertOptions {
+                hf_dir: hf.clone(),
+                out_dir: out.clone(),
+                tokenizer: None,
+                bits: BitPlan::default(),
+                show_progress: options.show_progress,
+            })?;
+            out
+        }
+    };
+    let examples = read_examples(&options.data, Some(options.limit))?;
+    let out = &options.plan_path;
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let bundle = Bundle::open(&bundle_dir)?;
+    let store = bundle.open_store()?;
+    let source = store
+        .index()
+        .experts
+        .first()
+        .map(|e| e.encoding)
+        .ok_or_else(|| Error::Input("the bundle has no experts".into()))?;
+    if store.index().experts.iter().any(|e| e.encoding != source) {
+        return Err(Error::Input(format!(
+            "{}: experts are stored at mixed widths; tune from a full-precision bundle",
+            bundle_dir.display()
+        )));
+    }
+    let widths = [
+        ExpertEncoding::Quant(QuantBits::Int8),
+        ExpertEncoding::Quant(QuantBits::Int4),
+        ExpertEncoding::Quant(QuantBits::Int2),
+    ];
+    let experts = ResidentExperts::load(&store, &widths)?;
+    let tokenizer = bundle.tokenizer()?;
+    let generation = &bundle.config.generation;
+    let model = bundle.load_model(tch::Device::Cpu)?;
+    let mut decode = DecodeOptions::from_defaults(generation);
+    decode.num_beams = 1;
+    decode.max_new_tokens = options.max_new_tokens.unwrap_or(generation.max_new_tokens);
+    let mut tuner = Tuner::new(
+        TuneModel {
+            model: &model,
+            decode,
+        },
+        experts,
+        &tokenizer,
+        &examples,
+        EvalSettings {
+            prefix: generation.input_prefix.clone(),
+            // Decoder-only models read documents as prompts: their last tokens.
+            max_source_tokens: generation.max_source_tokens.min(DOCUMENT_PROMPT_TOKENS),
+        },
+        &beside_plan(out, "measurements.json"),
+        options.show_progress,
+    )?;
+    let (plan, mut report) = tuner.tune(source, options.max_loss)?;
+    let references: Vec<String> = examples.iter().map(|e| e.reference.clone()).collect();
+    let rouge2_full_precision = tuner.rouge2(None, &tokenizer, &references)?;
+    let rouge2_plan = tuner.rouge2(Some(&plan), &tokenizer, &references)?;
+    let spec = &bundle.config.model;
+    let ids = spec.all_experts();
+    report.expert_bytes = ids
+        .iter()
+        .filter_map(|&id| plan.encoding(id))
+        .map(|e| spec.expert_layout().blob(e).1)
+        .sum();
+    plan.save(out)?;
+    let importance: BTreeMap<ExpertId, f64> = ids
+        .iter()
+        .filter_map(|&id| report.importance.get(&expert_key(id)).map(|&v| (id, v)))
+        .collect();
+    if let (Some(draw), false) = (options.heat_map, importance.is_empty()) {
+        let title = format!(
+            "expert importance: proxy loss at {} (others at {})",
+            report.lower.as_deref().unwrap_or("-"),
+            report.upper
+        );
+        draw(&importance, &title, &beside_plan(out, "importance.svg"))?;
+    }
+    // Through a JSON value, so the file's keys stay sorted as they always were.
+    let summary = serde_json::json!({
+        "tune": report,
+        "rouge2_full_precision": rouge2_full_precision,
+        "rouge2_plan": rouge2_plan,
+        "examples": examples.len(),
+    });
+    let report_path = beside_plan(out, "report.json");
+    write_json(&report_path, &summary)?;
+    Ok(TuneBitsRun {
+        plan,
+        report,
+        rouge2_full_precision,
+        rouge2_plan,
+        examples: examples.len(),
+        plan_path: out.clone(),
+        report_path,
+    })
 }
 
 /// A short stable key for a set of experts.

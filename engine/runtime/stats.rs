@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::ids::{ExpertId, Stack};
 
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct LayerStats {
     pub stack: String,
     pub block: u16,
@@ -16,7 +16,7 @@ pub struct LayerStats {
     pub hit_ratio: f64,
 }
 
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct PrefetchStats {
     /// Reads handed to the prefetch thread.
     pub issued: u64,
@@ -30,7 +30,7 @@ pub struct PrefetchStats {
     pub wasted_bytes: u64,
 }
 
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct DictionaryStats {
     /// Tokens × MoE layers for which the dictionary predicted the expert ahead of routing.
     pub predictions: u64,

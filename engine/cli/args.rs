@@ -1,0 +1,271 @@
+//! Argument groups several commands share — how a run uses memory, storage and the expert buffer
+//! ([`CacheArgs`], resolved flags over profile over defaults), what a run prints and writes
+//! ([`OutputArgs`]), the default bundle and reading the input — and the value parsers.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use edgemoe::cache::Policy;
+use edgemoe::config::profile::{DeviceKind, DeviceProfile};
+use edgemoe::generation::report::RunStats;
+use edgemoe::generation::session::CacheOptions;
+use edgemoe::runtime::modes::Mode;
+use edgemoe::store::{ExpertEncoding, StorageMode};
+use edgemoe::units::parse_bytes;
+use edgemoe::Error;
+
+/// Where `./setup.sh` puts the converted demo model; the default `--model`.
+pub const DEFAULT_BUNDLE: &str = "bundles/switch-samsum-tiny";
+
+/// Fails with what to do when `--model` was left at the demo bundle and it is not there.
+pub fn check_default_bundle(model: &Path) -> Result<()> {
+    if model == Path::new(DEFAULT_BUNDLE) && !model.exists() {
+        anyhow::bail!(
+            "no --model given and the demo bundle {DEFAULT_BUNDLE} does not exist: run ./setup.sh, or convert a checkpoint with `edgemoe convert --hf DIR --out DIR`"
+        );
+    }
+    Ok(())
+}
+
+/// The text of a file, or of standard input for `-`, with a name for errors.
+pub fn read_input(input: &str) -> Result<(String, String)> {
+    if input == "-" {
+        let mut text = String::new();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .context("cannot read standard input")?;
+        Ok((text, "standard input".into()))
+    } else {
+        let path = Path::new(input);
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Ok((text, path.display().to_string()))
+    }
+}
+
+/// Compute threads unless a flag or profile says otherwise: one core is left to the prefetch
+/// thread and the OS. More libtorch (OpenMP) threads than free cores make them spin against
+/// each other: measured here, 2 threads on 2 busy cores decoded 5–15× slower than 1.
+pub fn default_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.saturating_sub(1).max(1)
+}
+
+/// What a run prints and writes besides its text.
+#[derive(Args, Debug)]
+pub struct OutputArgs {
+    /// Write run statistics as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub stats_json: Option<PathBuf>,
+    /// Print the generated token ids instead of the text.
+    #[arg(long)]
+    pub ids: bool,
+    /// Do not print the statistics line on standard error.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+impl OutputArgs {
+    /// Prints the statistics line (unless `--quiet`) and writes `--stats-json`.
+    pub fn report(&self, stats: &RunStats) -> Result<()> {
+        if !self.quiet {
+            eprintln!("{}", stats.summary_line());
+        }
+        if let Some(path) = &self.stats_json {
+            stats.save(path)?;
+        }
+        Ok(())
+    }
+}
+
+/// How a run uses memory, storage and the expert buffer (every command that runs the model).
+/// Explicit flags override the profile's values.
+#[derive(Args, Debug)]
+pub struct CacheArgs {
+    /// Device profile: a built-in name (rpi4-sd, rpi5-sd, rpi5-nvme, jetson-tx2-ssd,
+    /// jetson-tx2-hdd, jetson-orin-nano-nvme) or a TOML file. Sets budget, storage speed for
+    /// `--storage emulate`, threads, device, policy and prefetch cap.
+    #[arg(long, value_name = "NAME|FILE")]
+    profile: Option<String>,
+    /// Memory budget for resident weights + expert buffer + working memory (e.g. 1.5GiB,
+    /// 600MiB; default: the profile's, else 1.5GiB).
+    #[arg(long, value_parser = parse_budget)]
+    budget: Option<u64>,
+    /// Engine mode: edgemoe (default), io-free, io-exp, io-qexp, mmap, q, q+p, q+p+c.
+    #[arg(long, default_value = "edgemoe")]
+    mode: Mode,
+    /// Bundle of the same model with quantized experts, for io-qexp, q, q+p and q+p+c.
+    #[arg(long, value_name = "BUNDLE")]
+    quantized: Option<PathBuf>,
+    /// Eviction policy: edgemoe, edgemoe-paper, lru, lfu or fifo (default: the profile's, else
+    /// edgemoe).
+    #[arg(long)]
+    policy: Option<Policy>,
+    /// Do not start the prefetch thread (no dictionary prefetch, no read/compute overlap).
+    #[arg(long)]
+    no_prefetch: bool,
+    /// Most speculative bytes prefetched per token (default: the profile's, else two experts
+    /// per decoder MoE layer).
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    prefetch_cap: Option<u64>,
+    /// Size the expert buffer in experts instead of from the budget (still checked against it).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    buffer_experts: Option<u32>,
+    /// Record every expert access (demand, prefetch, cancel) into FILE (JSON lines).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// How expert reads reach the store: `direct` bypasses the page cache (O_DIRECT, falling
+    /// back with a warning where refused), `cached` goes through it, `emulate` paces direct
+    /// reads to the profile's bandwidth and per-read latency.
+    #[arg(long, value_name = "MODE", default_value = "direct", value_parser = parse_storage)]
+    storage: StorageMode,
+    /// Compute threads (default: the profile's, else the cores minus one for the prefetch thread).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
+    /// Where the dense math runs: cpu, cuda or cuda:N (default: the profile's, else cpu).
+    /// CUDA is untested on hardware: experts are decoded on the host and moved to the GPU.
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<String>,
+}
+
+/// A run's resolved settings.
+pub struct RunSettings {
+    pub budget_bytes: u64,
+    pub cache: CacheOptions,
+    pub profile: Option<DeviceProfile>,
+    pub device: tch::Device,
+}
+
+impl CacheArgs {
+    /// Flags over profile over defaults; applies the thread count.
+    pub fn resolve(&self) -> Result<RunSettings> {
+        let profile = self
+            .profile
+            .as_deref()
+            .map(DeviceProfile::load)
+            .transpose()?;
+        let device_name = self
+            .device
+            .clone()
+            .or_else(|| {
+                profile.as_ref().map(|p| match p.device {
+                    DeviceKind::Cpu => "cpu".to_string(),
+                    DeviceKind::Cuda => "cuda".to_string(),
+                })
+            })
+            .unwrap_or_else(|| "cpu".into());
+        let device =
+            edgemoe::config::profile::parse_device(&device_name).with_context(
+                || match &profile {
+                    Some(p) if self.device.is_none() => format!("profile {}", p.name),
+                    _ => "--device".to_string(),
+                },
+            )?;
+        // A profile's thread count is the board's; on a smaller machine it is capped like the
+        // default (see `default_threads`). An explicit --threads is taken as given.
+        let threads = self
+            .threads
+            .map(usize::from)
+            .or(profile.as_ref().map(|p| p.threads.min(default_threads())));
+        if let Some(threads) = threads {
+            tch::set_num_threads(threads as i32);
+        }
+        let budget_bytes = self
+            .budget
+            .or(profile.as_ref().map(|p| p.budget_bytes))
+            .unwrap_or(3 << 29);
+        Ok(RunSettings {
+            budget_bytes,
+            cache: CacheOptions {
+                policy: self
+                    .policy
+                    .or(profile.as_ref().map(|p| p.policy))
+                    .unwrap_or_else(|| edgemoe::runtime::modes::default_policy(self.mode)),
+                prefetch: !self.no_prefetch,
+                prefetch_cap_bytes: self
+                    .prefetch_cap
+                    .or(profile.as_ref().map(|p| p.prefetch_cap_bytes)),
+                buffer_experts: self.buffer_experts.map(|n| n as usize),
+                trace: self.trace.clone(),
+                storage: self.storage,
+                emulated_device: profile
+                    .as_ref()
+                    .map(|p| (p.read_bytes_per_s, p.read_latency)),
+                mode: self.mode,
+                quantized_bundle: self.quantized.clone(),
+            },
+            profile,
+            device,
+        })
+    }
+}
+
+pub fn parse_budget(text: &str) -> std::result::Result<u64, String> {
+    parse_bytes(text).map_err(|e| e.to_string())
+}
+
+pub fn parse_storage(text: &str) -> std::result::Result<StorageMode, String> {
+    match text {
+        "direct" => Ok(StorageMode::Direct),
+        "cached" => Ok(StorageMode::Cached),
+        "emulate" => Ok(StorageMode::Emulate),
+        other => Err(format!(
+            "unknown storage mode `{other}` (expected direct, cached or emulate)"
+        )),
+    }
+}
+
+pub fn parse_width(text: &str) -> std::result::Result<ExpertEncoding, String> {
+    ExpertEncoding::parse(text).ok_or_else(|| {
+        format!("unknown width `{text}` (expected 8, 4, 2, int8, int4, int2, f16, bf16 or f32)")
+    })
+}
+
+/// A loss as `5%` or `0.05`.
+pub fn parse_fraction(text: &str) -> std::result::Result<f64, String> {
+    let t = text.trim();
+    let value = match t.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map(|v| v / 100.0),
+        None => t.parse::<f64>(),
+    }
+    .map_err(|_| format!("invalid loss `{text}` (e.g. 5% or 0.05)"))?;
+    if !(0.0..=1.0).contains(&value) {
+        return Err(format!("loss `{text}` must be between 0% and 100%"));
+    }
+    Ok(value)
+}
+
+/// Token ids given on the command line.
+#[derive(Debug, Clone)]
+pub struct Ids(pub Vec<i64>);
+
+pub fn parse_ids(text: &str) -> std::result::Result<Ids, String> {
+    let ids = text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<i64>()
+                .map_err(|_| format!("invalid token id `{t}` (expected e.g. 1,15,42)"))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    if ids.is_empty() {
+        return Err("no token ids".into());
+    }
+    Ok(Ids(ids))
+}
+
+pub fn parse_temperature(text: &str) -> std::result::Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(t) if t > 0.0 && t.is_finite() => Ok(t),
+        _ => Err(format!("temperature `{text}` must be a positive number")),
+    }
+}
+
+pub fn parse_top_p(text: &str) -> std::result::Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("top-p `{text}` must be in (0, 1]")),
+    }
+}

@@ -1,0 +1,101 @@
+//! `edgemoe bench`: the modes × budgets matrix; prints the results table and the headline ratios.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use edgemoe::bench::matrix::{run_bench, BenchOptions, BenchSizes};
+use edgemoe::runtime::modes::Mode;
+use edgemoe::store::StorageMode;
+
+use super::args::{parse_budget, parse_storage, DEFAULT_BUNDLE};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model bundle.
+    #[arg(long, value_name = "BUNDLE", default_value = DEFAULT_BUNDLE)]
+    model: PathBuf,
+    /// Bundle of the same model with quantized experts for io-qexp/q/q+p/q+p+c (default: an
+    /// all-INT4 copy made in --out).
+    #[arg(long, value_name = "BUNDLE")]
+    quantized: Option<PathBuf>,
+    /// Documents: JSON lines with a `dialogue` or `document` field.
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: PathBuf,
+    /// Use the first N documents.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    limit: usize,
+    /// Device profile (built-in name or TOML file).
+    #[arg(long, value_name = "NAME|FILE", default_value = "rpi4-sd")]
+    profile: String,
+    /// Modes to compare.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "io-free,io-exp,io-qexp,mmap,edgemoe,q,q+p,q+p+c"
+    )]
+    modes: Vec<Mode>,
+    /// Memory budgets (default: the profile's).
+    #[arg(long, value_delimiter = ',', value_parser = parse_budget, conflicts_with = "buffer_experts")]
+    budgets: Vec<u64>,
+    /// Buffer sizes in experts instead of budgets (for models far smaller than the board).
+    #[arg(long, value_delimiter = ',')]
+    buffer_experts: Vec<usize>,
+    /// Storage: `emulate` paces reads to the profile (default), `direct`, `cached`.
+    #[arg(long, default_value = "emulate", value_parser = parse_storage)]
+    storage: StorageMode,
+    /// Most tokens generated per document (default: the model's generation config).
+    #[arg(long, value_name = "N")]
+    max_new_tokens: Option<usize>,
+    /// Memory a run may use beyond its budget inside the cgroup (binary, libtorch, allocator).
+    #[arg(long, value_parser = parse_budget, default_value = "384MiB")]
+    cgroup_overhead: u64,
+    /// Do not confine runs to a memory cgroup.
+    #[arg(long)]
+    no_cgroup: bool,
+    /// Output directory.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let sizes = if args.buffer_experts.is_empty() {
+        BenchSizes::Budgets(args.budgets)
+    } else {
+        BenchSizes::BufferExperts(args.buffer_experts)
+    };
+    let report = run_bench(&BenchOptions {
+        executable: std::env::current_exe().context("cannot find the edgemoe executable")?,
+        model: args.model,
+        quantized: args.quantized,
+        data: args.data,
+        limit: args.limit,
+        profile: args.profile,
+        modes: args.modes,
+        sizes,
+        storage: args.storage,
+        max_new_tokens: args.max_new_tokens,
+        confine: !args.no_cgroup,
+        cgroup_overhead_bytes: args.cgroup_overhead,
+        out: args.out.clone(),
+        show_progress: true,
+    })?;
+    print!("{}", report.markdown);
+    for s in report.speedups() {
+        println!(
+            "edgemoe vs {}: {:.2}× ({:.2} vs {:.2} ms/token)",
+            s.baseline,
+            s.ratio(),
+            s.edgemoe_ms_per_token,
+            s.baseline_ms_per_token
+        );
+    }
+    println!(
+        "wrote {}, {} and plots in {}",
+        report.results_json.display(),
+        report.results_md.display(),
+        args.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,67 @@
+//! `edgemoe probe-storage`: read throughput by read size and reads in flight, as a table or JSON.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+
+use edgemoe::bench::probe::{measure, ProbeFile, IN_FLIGHT, READ_SIZES};
+use edgemoe::units::format_bytes;
+
+use super::args::parse_budget;
+
+#[derive(Args, Debug)]
+pub struct ProbeArgs {
+    /// A large file to read, or a directory on the device to probe (a test file is written
+    /// there and removed).
+    path: PathBuf,
+    /// Size of the test file written into a directory.
+    #[arg(long, value_parser = parse_budget, default_value = "256MiB")]
+    size: u64,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 0.5)]
+    seconds: f64,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: ProbeArgs) -> Result<()> {
+    if !(args.seconds > 0.0 && args.seconds <= 60.0) {
+        anyhow::bail!("--seconds must be in (0, 60]");
+    }
+    let file = ProbeFile::prepare(&args.path, args.size)?;
+    let duration = std::time::Duration::from_secs_f64(args.seconds);
+    let mut results = Vec::new();
+    for &size in &READ_SIZES {
+        for &depth in &IN_FLIGHT {
+            results.push(measure(&file, size, depth, duration)?);
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+        return Ok(());
+    }
+    println!(
+        "{} ({}): MB/s by read size (rows) and reads in flight (columns), O_DIRECT",
+        file.path.display(),
+        format_bytes(file.size)
+    );
+    print!("{:>10}", "");
+    for d in IN_FLIGHT {
+        print!("{:>9}", format!("QD{d}"));
+    }
+    println!("{:>14}", "µs/read QD1");
+    for &size in &READ_SIZES {
+        print!("{:>10}", format_bytes(size));
+        for r in results.iter().filter(|r| r.read_bytes == size) {
+            print!("{:>9.1}", r.bytes_per_s / 1e6);
+        }
+        let qd1 = results
+            .iter()
+            .find(|r| r.read_bytes == size && r.in_flight == 1);
+        println!("{:>14.0}", qd1.map_or(0.0, |r| r.latency_us));
+    }
+    println!("profile hint: storage_read_bandwidth = the 4 MiB row's best; storage_read_latency_us = the 4 KiB QD1 figure");
+    Ok(())
+}

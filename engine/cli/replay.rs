@@ -1,0 +1,100 @@
+//! `edgemoe replay`: a recorded expert-access trace through eviction policies and buffer sizes.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+
+use edgemoe::cache::replay::{replay, ReplayResult};
+use edgemoe::cache::trace::read_trace;
+use edgemoe::cache::Policy;
+
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    /// Trace written by `summarize --trace`.
+    #[arg(long, value_name = "FILE")]
+    trace: PathBuf,
+    /// Buffer sizes in experts.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8,16,32,64")]
+    slots: Vec<usize>,
+    /// Policies to replay (`all` = every online policy and belady).
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    policy: Vec<String>,
+    /// Ignore the trace's prefetch and cancel events (pure demand paging).
+    #[arg(long)]
+    demand_only: bool,
+    /// Print JSON (policy → slots → hit ratio, hits, misses) instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Draw hit ratio against buffer size per policy into an SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+pub fn run(args: ReplayArgs) -> Result<()> {
+    let (header, events) = read_trace(&args.trace)?;
+    let policies: Vec<Policy> = if args.policy.iter().any(|p| p == "all") {
+        Policy::ONLINE
+            .iter()
+            .copied()
+            .chain([Policy::Belady])
+            .collect()
+    } else {
+        args.policy
+            .iter()
+            .map(|p| p.parse::<Policy>().map_err(anyhow::Error::msg))
+            .collect::<Result<_>>()?
+    };
+    if args.slots.is_empty() || args.slots.contains(&0) {
+        anyhow::bail!("--slots needs positive buffer sizes, e.g. --slots 4,8,16");
+    }
+    let mut results: Vec<ReplayResult> = Vec::new();
+    for &policy in &policies {
+        for &slots in &args.slots {
+            results.push(replay(&header, &events, policy, slots, args.demand_only));
+        }
+    }
+    let demands = events
+        .iter()
+        .filter(|e| e.kind == edgemoe::cache::AccessKind::Demand)
+        .count();
+    if args.json {
+        let mut by_policy = serde_json::Map::new();
+        for r in &results {
+            let entry = by_policy
+                .entry(r.policy.name())
+                .or_insert_with(|| serde_json::Value::Object(Default::default()));
+            entry[r.slots.to_string()] = serde_json::json!({
+                "hit_ratio": r.hit_ratio, "hits": r.hits, "misses": r.misses
+            });
+        }
+        println!("{}", serde_json::to_string_pretty(&by_policy)?);
+    } else {
+        println!(
+            "{}: {} events, {} demand accesses; recorded with {} slots, policy {}, prefetch {}",
+            args.trace.display(),
+            events.len(),
+            demands,
+            header.slots,
+            header.policy,
+            if header.prefetch { "on" } else { "off" }
+        );
+        print!("{:<14}", "hit ratio");
+        for slots in &args.slots {
+            print!("{:>9}", format!("{slots} slots"));
+        }
+        println!();
+        for &policy in &policies {
+            print!("{:<14}", policy.name());
+            for r in results.iter().filter(|r| r.policy == policy) {
+                print!("{:>8.1}%", 100.0 * r.hit_ratio);
+            }
+            println!();
+        }
+    }
+    if let Some(path) = &args.plot {
+        let title = format!("hit ratio vs buffer size ({} demand accesses)", demands);
+        edgemoe::bench::charts::hit_ratio_vs_slots(&results, &title, path)?;
+    }
+    Ok(())
+}
