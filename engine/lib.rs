@@ -24,7 +24,8 @@
 //! - L4, [`generation`]: one session type for every architecture — open, summarize or generate,
 //!   report.
 //! - L5, once-per-model work and measurement: [`offline`] (convert, calibrate, tune bit widths,
-//!   eval, ROUGE), [`bench`] (the modes × budgets matrix, charts, storage probe).
+//!   eval, ROUGE with its Porter stemmer), [`bench`] (the modes × budgets matrix, its results
+//!   table and charts, the storage probe).
 //! - L6, the binary: `engine/cli/` (one file per command), compiled into `edgemoe` only.
 
 pub mod error;

@@ -58,7 +58,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     }
     let settings = args.cache.resolve()?;
     bundle.expect_encoder_decoder()?;
-    let mut summarizer = Session::open(
+    let mut session = Session::open(
         &bundle,
         SessionOptions {
             budget_bytes: settings.budget_bytes,
@@ -68,11 +68,11 @@ pub fn run(args: EvalArgs) -> Result<()> {
             device: settings.device,
         },
     )?;
-    for warning in &summarizer.warnings {
+    for warning in &session.warnings {
         eprintln!("warning: {warning}");
     }
-    let (report, predictions) = evaluate(&mut summarizer, &examples, args.stem, true)?;
-    summarizer.buffer.finish_trace()?;
+    let (report, predictions) = evaluate(&mut session, &examples, args.stem, true)?;
+    session.buffer.finish_trace()?;
     if let Some(path) = &args.predictions {
         let mut text = predictions.join("\n");
         text.push('\n');

@@ -97,8 +97,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         device: tch::Device::Cpu,
     };
     bundle.expect_decoder_only()?;
-    let mut generator = Session::open(&bundle, options)?;
-    for warning in &generator.warnings {
+    let mut session = Session::open(&bundle, options)?;
+    for warning in &session.warnings {
         eprintln!("warning: {warning}");
     }
     let stdout = std::io::stdout();
@@ -113,7 +113,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         buffer,
         options,
         ..
-    } = &mut generator;
+    } = &mut session;
     let generated = run_model(model, buffer, &prompt_ids, &options.decode, &mut |token| {
         let mut out = stdout.lock();
         let piece = if ids {
@@ -130,17 +130,17 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     {
         let mut out = stdout.lock();
         if !ids {
-            write!(out, "{}", stream.finish(&generator.tokenizer)?)?;
+            write!(out, "{}", stream.finish(&session.tokenizer)?)?;
         }
         writeln!(out)?;
         out.flush()?;
     }
-    generator.buffer.finish_trace()?;
+    session.buffer.finish_trace()?;
     let stats = RunStats::new(
         &[(prompt_ids.len(), generated)],
-        generator.stats(),
-        &generator.plan,
-        &generator.options.cache,
+        session.stats(),
+        &session.plan,
+        &session.options.cache,
     );
     args.output.report(&stats)
 }

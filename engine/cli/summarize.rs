@@ -70,15 +70,15 @@ pub fn run(args: SummarizeArgs) -> Result<()> {
         device: settings.device,
     };
     bundle.expect_encoder_decoder()?;
-    let mut summarizer = Session::open(&bundle, options)?;
-    for warning in &summarizer.warnings {
+    let mut session = Session::open(&bundle, options)?;
+    for warning in &session.warnings {
         eprintln!("warning: {warning}");
     }
 
     let mut generations = Vec::with_capacity(documents.len());
     let stdout = std::io::stdout();
     for document in &documents {
-        let (summary, generation, source_tokens) = summarizer.summarize(document)?;
+        let (summary, generation, source_tokens) = session.summarize(document)?;
         let mut out = stdout.lock();
         if args.output.ids {
             let ids: Vec<String> = generation.tokens.iter().map(|t| t.to_string()).collect();
@@ -89,12 +89,12 @@ pub fn run(args: SummarizeArgs) -> Result<()> {
         out.flush()?;
         generations.push((source_tokens, generation));
     }
-    summarizer.buffer.finish_trace()?;
+    session.buffer.finish_trace()?;
     let mut stats = RunStats::new(
         &generations,
-        summarizer.stats(),
-        &summarizer.plan,
-        &summarizer.options.cache,
+        session.stats(),
+        &session.plan,
+        &session.options.cache,
     );
     stats.profile = settings.profile.map(|p| p.name);
     args.output.report(&stats)
