@@ -117,6 +117,29 @@ impl StackPaths {
         *self.paths.entry(whole).or_insert(0) += 1;
     }
 
+    /// The sizes a loaded dictionary claims agree with each other and with what layer and
+    /// expert numbers (`u16`) can address, so no later use indexes out of bounds or allocates
+    /// a crafted size.
+    fn check(&self, path: &Path, stack: &str) -> Result<()> {
+        let addressable = usize::from(u16::MAX) + 1;
+        let e = self.num_experts;
+        let consistent = self.num_layers <= addressable
+            && e <= addressable
+            && (1..=addressable).contains(&self.top_k)
+            && self.marginal.len() == self.num_layers
+            && self.marginal.iter().all(|c| c.len() == e)
+            && self.given_previous.values().all(|c| c.len() == e)
+            && self.given_two.values().all(|c| c.len() == e);
+        if consistent {
+            Ok(())
+        } else {
+            Err(Error::format(
+                path,
+                format!("corrupted path dictionary: the {stack} counts do not match its {} layers × {e} experts, top-{}", self.num_layers, self.top_k),
+            ))
+        }
+    }
+
     pub fn tokens(&self) -> u64 {
         self.paths.values().sum()
     }
@@ -228,8 +251,21 @@ impl PathDictionary {
                 format!("path dictionary version {version}, this engine reads version {PATHS_VERSION}; run `edgemoe calibrate` again"),
             ));
         }
-        bincode::deserialize(&bytes[12..])
+        // Same wire format as `bincode::serialize`, bounded by the file's real length: a
+        // crafted length prefix fails to decode instead of allocating what it claims.
+        use bincode::Options;
+        let body = &bytes[12..];
+        bincode::DefaultOptions::new()
+            .with_fixint_encoding()
+            .allow_trailing_bytes()
+            .with_limit(body.len() as u64)
+            .deserialize::<Self>(body)
             .map_err(|e| Error::format(path, format!("corrupted path dictionary: {e}")))
+            .and_then(|dict| {
+                dict.encoder.check(path, "encoder")?;
+                dict.decoder.check(path, "decoder")?;
+                Ok(dict)
+            })
     }
 }
 
@@ -425,5 +461,40 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("version 9"));
+    }
+
+    #[test]
+    fn crafted_lengths_and_sizes_are_errors() {
+        let mut dict = PathDictionary::new(2, 3, 4, 1);
+        dict.decoder.add_path(&[0, 3, 3]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(PATHS_FILE);
+        dict.save(&path).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        // The body begins with the encoder's num_layers (u64); 3 × u64 later, `marginal`'s
+        // length prefix: claim 2^60 rows.
+        let mut bytes = good.clone();
+        bytes[12 + 24..12 + 32].copy_from_slice(&(1u64 << 60).to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let err = PathDictionary::load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("paths.bin") && err.contains("corrupted"),
+            "{err}"
+        );
+        // A consistent encoding of inconsistent sizes: num_experts huge, top_k zero.
+        for edit in [
+            (|d: &mut PathDictionary| d.encoder.num_experts = 1 << 60) as fn(&mut PathDictionary),
+            |d| d.decoder.top_k = 0,
+            |d| d.decoder.num_layers = 9,
+        ] {
+            let mut bad = dict.clone();
+            edit(&mut bad);
+            bad.save(&path).unwrap();
+            let err = PathDictionary::load(&path).unwrap_err().to_string();
+            assert!(
+                err.contains("paths.bin") && err.contains("corrupted"),
+                "{err}"
+            );
+        }
     }
 }

@@ -712,3 +712,98 @@ fn commands_refuse_the_other_architecture() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("999") && err.contains("vocabulary"), "{err}");
 }
+
+/// Numbers the user typed size nothing without bound: a huge `replay --slots` is replayed as
+/// "all experts" at once, a huge `--max-new-tokens` or `--buffer-experts` is a clean error or
+/// capped, never an overflow panic or an abort.
+#[test]
+fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
+    use edgemoe::cache::trace::TraceWriter;
+    use edgemoe::cache::{AccessKind, LayerMap, Policy, TraceEvent, TraceHeader};
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let mut writer = TraceWriter::create(
+        &trace,
+        &TraceHeader {
+            edgemoe_trace: edgemoe::cache::trace::TRACE_VERSION,
+            slots: 2,
+            policy: Policy::Lru,
+            prefetch: false,
+            layers: LayerMap {
+                encoder_moe_blocks: vec![],
+                decoder_moe_blocks: vec![0, 1],
+            },
+            seeds: vec![],
+        },
+    )
+    .unwrap();
+    for (layer, expert) in [(0, 0), (1, 1), (0, 2), (0, 0), (1, 1), (0, 2)] {
+        writer
+            .event(&TraceEvent {
+                token: 0,
+                kind: AccessKind::Demand,
+                stack: Stack::Decoder,
+                layer,
+                expert,
+                current: Some(layer),
+                pinned: vec![],
+            })
+            .unwrap();
+    }
+    writer.finish().unwrap();
+    let started = std::time::Instant::now();
+    let out = run(
+        &[
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--slots",
+            "2,18446744073709551615",
+        ],
+        None,
+    );
+    let text = stdout(&out);
+    assert!(started.elapsed().as_secs() < 30);
+    assert!(text.contains("3 (all experts)"), "{text}");
+    assert!(!text.contains("18446744073709551615"), "{text}");
+    let out = run(
+        &[
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--slots",
+            "18446744073709551615",
+            "--json",
+        ],
+        None,
+    );
+    let json: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(json["lru"]["3"]["hits"], 3, "{json}");
+
+    let bundle = demo_bundle(dir.path());
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--max-new-tokens",
+            "18446744073709551615",
+        ],
+        Some("Anna: are we meeting at 5?\n"),
+    );
+    assert_fails(&out, &["budget"]);
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--max-new-tokens",
+            "4",
+            "--buffer-experts",
+            "4294967295",
+            "-q",
+        ],
+        Some("Anna: are we meeting at 5?\n"),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -41,7 +41,18 @@ impl ReplayResult {
     }
 }
 
-/// Replays `events` through `policy` with `slots` slots.
+/// Distinct experts the trace touches (any event kind). A buffer with more slots than this
+/// behaves exactly like one with this many: nothing is ever evicted.
+pub fn distinct_experts(events: &[TraceEvent]) -> usize {
+    events
+        .iter()
+        .map(TraceEvent::id)
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+}
+
+/// Replays `events` through `policy` with `slots` slots (a table of at most
+/// [`distinct_experts`] slots is built: more would behave the same).
 pub fn replay(
     header: &TraceHeader,
     events: &[TraceEvent],
@@ -53,7 +64,7 @@ pub fn replay(
         return belady(events, slots);
     }
     let state = PolicyState::new(policy, header.layers.clone(), &header.seeds);
-    let mut table = SlotTable::new(slots, state);
+    let mut table = SlotTable::new(slots.min(distinct_experts(events).max(1)), state);
     let (mut hits, mut misses) = (0, 0);
     for event in events {
         let ctx = AccessContext {
@@ -195,6 +206,25 @@ mod tests {
             lru.hits
         );
         assert_eq!(lru.hits, 0);
+    }
+
+    #[test]
+    fn more_slots_than_experts_behave_as_all_experts_without_allocating_them() {
+        let events = trace(&[(0, 0), (0, 1), (1, 2), (0, 0), (1, 2), (0, 1)]);
+        assert_eq!(distinct_experts(&events), 3);
+        let h = header();
+        for policy in Policy::ONLINE.iter().copied().chain([Policy::Belady]) {
+            let all = replay(&h, &events, policy, 3, false);
+            for slots in [4, 1000, usize::MAX] {
+                let r = replay(&h, &events, policy, slots, false);
+                assert_eq!(
+                    (r.hits, r.misses),
+                    (all.hits, all.misses),
+                    "{policy} {slots}"
+                );
+            }
+        }
+        assert_eq!(replay(&h, &[], Policy::Lru, usize::MAX, false).hits, 0);
     }
 
     #[test]

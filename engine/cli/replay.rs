@@ -48,6 +48,27 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     if args.slots.is_empty() || args.slots.contains(&0) {
         anyhow::bail!("--slots needs positive buffer sizes, e.g. --slots 4,8,16");
     }
+    // More slots than the trace has distinct experts behave like exactly that many: such sizes
+    // are replayed (and reported) as "all experts", once.
+    let all_experts = edgemoe::cache::replay::distinct_experts(&events).max(1);
+    let mut sizes: Vec<usize> = Vec::new();
+    for &s in &args.slots {
+        let s = s.min(all_experts);
+        if !sizes.contains(&s) {
+            sizes.push(s);
+        }
+    }
+    let args = ReplayArgs {
+        slots: sizes,
+        ..args
+    };
+    let label = |slots: usize| {
+        if slots == all_experts {
+            format!("{slots} (all experts)")
+        } else {
+            format!("{slots} slots")
+        }
+    };
     let mut results: Vec<ReplayResult> = Vec::new();
     for &policy in &policies {
         for &slots in &args.slots {
@@ -81,7 +102,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         );
         print!("{:<14}", "hit ratio");
         for slots in &args.slots {
-            print!("{:>9}", format!("{slots} slots"));
+            print!("{:>9}", label(*slots));
         }
         println!();
         for &policy in &policies {

@@ -470,31 +470,35 @@ fn attention_mask(n: i64, past: i64, window: Option<usize>) -> Result<Option<Ten
 impl DecoderOnlyModel {
     /// A decoder-only run: `max_source_tokens` is the prompt length (prefilled at once).
     pub fn working_bytes(&self, run: RunShape) -> u64 {
+        // Saturating: a huge `--max-new-tokens` gives a huge estimate (and a clean budget
+        // error), never a wrapped small one.
+        use std::num::Saturating as S;
+        let n = |v: usize| S(v as u64);
         let spec = &self.spec;
-        let f = 4u64;
-        let prompt = run.max_source_tokens as u64;
-        let total = prompt + run.max_new_tokens as u64;
-        let d = spec.hidden_size as u64;
-        let (q, kv) = (spec.q_dim() as u64, spec.kv_dim() as u64);
-        let heads = spec.num_heads as u64;
-        let widest_ff = spec
+        let f = S(4u64);
+        let prompt = n(run.max_source_tokens);
+        let total = prompt + n(run.max_new_tokens);
+        let d = n(spec.hidden_size);
+        let (q, kv) = (n(spec.q_dim()), n(spec.kv_dim()));
+        let heads = n(spec.num_heads);
+        let widest_ff = n(spec
             .intermediate_size
             .max(spec.expert_intermediate_size)
-            .max(spec.shared_expert_intermediate_size.unwrap_or(0)) as u64;
+            .max(spec.shared_expert_intermediate_size.unwrap_or(0)));
         // Prefill: hidden states and residuals, q/k/v/out (k and v repeated to every head), scores
         // (+ softmax copy), the mask, the FF intermediates (gate, up, product) and the MoE output.
-        let prefill = prompt * (5 * d + 2 * q + 2 * kv + 2 * heads * spec.head_dim as u64)
-            + 3 * heads * prompt * total
+        let prefill = prompt * (S(5) * d + S(2) * q + S(2) * kv + S(2) * heads * n(spec.head_dim))
+            + S(3) * heads * prompt * total
             + prompt * total
-            + 3 * prompt * widest_ff
-            + prompt * (spec.top_k as u64 + 1) * d;
+            + S(3) * prompt * widest_ff
+            + prompt * (n(spec.top_k) + S(1)) * d;
         // The KV cache of every layer, up to the last token (and the copy a concatenation makes).
-        let caches = 2 * spec.num_layers as u64 * 2 * kv * total;
+        let caches = S(2) * n(spec.num_layers) * S(2) * kv * total;
         // Logits, their softmax and sort for sampling.
-        let logits = 4 * spec.vocab_size as u64;
+        let logits = S(4) * n(spec.vocab_size);
         // Dequantized weights of the expert being computed (`gate`, `up`, `down`).
-        let expert_scratch = 3 * d * spec.expert_intermediate_size as u64;
-        f * (prefill + caches + logits + expert_scratch)
+        let expert_scratch = S(3) * d * n(spec.expert_intermediate_size);
+        (f * (prefill + caches + logits + expert_scratch)).0
     }
 }
 

@@ -429,26 +429,30 @@ impl SwitchModel {
 impl SwitchModel {
     /// Estimated bytes of activations and scratch for one run (f32 everywhere).
     pub fn working_bytes(&self, run: RunShape) -> u64 {
+        // Saturating: a huge `--max-new-tokens` gives a huge estimate (and a clean budget
+        // error), never a wrapped small one.
+        use std::num::Saturating as S;
+        let n = |v: usize| S(v as u64);
         let spec = &self.spec;
-        let f = 4u64;
-        let src = run.max_source_tokens as u64;
-        let tgt = run.max_new_tokens as u64 + 1;
-        let beams = run.beams.max(1) as u64;
-        let d = spec.d_model as u64;
-        let inner = spec.inner_dim() as u64;
-        let heads = spec.num_heads as u64;
-        let d_ff = spec.d_ff as u64;
-        let dec_layers = spec.num_decoder_layers as u64;
+        let f = S(4u64);
+        let src = n(run.max_source_tokens);
+        let tgt = n(run.max_new_tokens) + S(1);
+        let beams = n(run.beams.max(1));
+        let d = n(spec.d_model);
+        let inner = n(spec.inner_dim());
+        let heads = n(spec.num_heads);
+        let d_ff = n(spec.d_ff);
+        let dec_layers = n(spec.num_decoder_layers);
         // Encoder: hidden states, q/k/v/out, scores (+ softmax copy), FF intermediate, bias.
-        let encoder = src * (4 * d + 4 * inner + d_ff) + 3 * heads * src * src;
+        let encoder = src * (S(4) * d + S(4) * inner + d_ff) + S(3) * heads * src * src;
         // Decoder caches per beam: self-attention K/V grow to `tgt`, cross-attention K/V span `src`
         // (twice during a beam reorder, when old and new caches coexist).
-        let caches = 2 * dec_layers * beams * 2 * inner * (tgt + src);
+        let caches = S(2) * dec_layers * beams * S(2) * inner * (tgt + src);
         // Logits and log-probabilities of every beam, plus the top-k workspace.
-        let logits = 3 * beams * spec.vocab_size as u64;
+        let logits = S(3) * beams * n(spec.vocab_size);
         // Dequantized weights of the expert being computed (`wi` and `wo`).
-        let expert_scratch = 2 * spec.d_model as u64 * spec.d_ff as u64;
-        f * (encoder + caches + logits + expert_scratch)
+        let expert_scratch = S(2) * d * d_ff;
+        (f * (encoder + caches + logits + expert_scratch)).0
     }
 }
 

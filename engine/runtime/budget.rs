@@ -30,9 +30,16 @@ impl BudgetPlan {
         total_experts: usize,
         requested_slots: Option<usize>,
     ) -> Result<Self> {
-        let need = requested_slots.unwrap_or(1).max(1);
-        let minimum_bytes = resident_bytes + working_bytes + need as u64 * slot_bytes;
-        if budget_bytes < minimum_bytes || slot_bytes == 0 {
+        // More slots than experts hold nothing more: a requested size is capped at the expert
+        // count (so a huge `--buffer-experts` sizes no huge buffer).
+        let requested_slots = requested_slots.map(|n| n.clamp(1, total_experts.max(1)));
+        let need = requested_slots.unwrap_or(1);
+        // Saturating: huge estimates (a huge `--max-new-tokens`) report a budget too small.
+        let minimum_bytes = resident_bytes
+            .saturating_add(working_bytes)
+            .saturating_add((need as u64).saturating_mul(slot_bytes));
+        // A saturated minimum is no real number of bytes: no budget holds it.
+        if budget_bytes < minimum_bytes || minimum_bytes == u64::MAX || slot_bytes == 0 {
             return Err(Error::BudgetTooSmall {
                 budget_bytes,
                 resident_bytes,
@@ -44,7 +51,7 @@ impl BudgetPlan {
         }
         let free = budget_bytes - resident_bytes - working_bytes;
         let slots = match requested_slots {
-            Some(n) => n.max(1),
+            Some(n) => n,
             None => ((free / slot_bytes) as usize).clamp(1, total_experts.max(1)),
         };
         Ok(BudgetPlan {
@@ -88,5 +95,23 @@ mod tests {
             }
             other => panic!("expected BudgetTooSmall, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn huge_numbers_are_capped_or_refused_without_overflow() {
+        // A requested size above the expert count is the expert count.
+        let plan = BudgetPlan::new(u64::MAX, 0, 0, 1_000, 64, Some(usize::MAX)).unwrap();
+        assert_eq!(plan.slots, 64);
+        // A huge working-memory estimate is a budget error, not a wrapped sum.
+        match BudgetPlan::new(10_000, 4_000, u64::MAX, 1_000, 64, None) {
+            Err(Error::BudgetTooSmall { minimum_bytes, .. }) => {
+                assert_eq!(minimum_bytes, u64::MAX)
+            }
+            other => panic!("expected BudgetTooSmall, got {other:?}"),
+        }
+        assert!(
+            BudgetPlan::new(u64::MAX - 1, u64::MAX / 2, u64::MAX / 2, u64::MAX, 4, None).is_err()
+        );
+        assert!(BudgetPlan::new(u64::MAX, 1, u64::MAX, 1, 4, None).is_err());
     }
 }

@@ -157,8 +157,10 @@ pub struct StoreIndex {
     pub experts: Vec<ExpertEntry>,
 }
 
+/// `value` rounded up to a multiple of `align`; saturates at `u64::MAX` rather than wrapping,
+/// so a crafted length cannot wrap to a small one.
 pub fn align_up(value: u64, align: u64) -> u64 {
-    value.div_ceil(align) * align
+    value.div_ceil(align).saturating_mul(align)
 }
 
 /// What a store must hold, as the bundle knows it from the model: the matrices of one expert

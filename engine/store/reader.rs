@@ -116,16 +116,26 @@ impl ExpertStore {
         }
         let index_len = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
         let index_crc = u32::from_le_bytes(header[24..28].try_into().expect("4 bytes"));
-        if HEADER_BYTES as u64 + index_len > file_len {
+        // Checked against the file's real length before anything is allocated: the header's
+        // number is only a claim.
+        let index_end = (HEADER_BYTES as u64).checked_add(index_len);
+        if index_end.is_none_or(|end| end > file_len) {
             return Err(Error::corrupt(
                 path,
                 None,
                 format!(
-                    "truncated expert store: index needs {index_len} bytes, file has {file_len}"
+                    "truncated or corrupted expert store: the header claims a {index_len}-byte index, the file has {file_len} bytes"
                 ),
             ));
         }
-        let mut index_bytes = vec![0u8; index_len as usize];
+        let index_size = usize::try_from(index_len).map_err(|_| {
+            Error::corrupt(
+                path,
+                None,
+                format!("index of {index_len} bytes is too large"),
+            )
+        })?;
+        let mut index_bytes = vec![0u8; index_size];
         file.read_exact_at(&mut index_bytes, HEADER_BYTES as u64)
             .map_err(|e| Error::io(path, e))?;
         if crc32fast::hash(&index_bytes) != index_crc {
@@ -135,7 +145,7 @@ impl ExpertStore {
                 "expert store index is corrupted (checksum mismatch)",
             ));
         }
-        let index: StoreIndex = bincode::deserialize(&index_bytes).map_err(|e| {
+        let index: StoreIndex = decode_index(&index_bytes).map_err(|e| {
             Error::corrupt(path, None, format!("cannot decode expert store index: {e}"))
         })?;
         let mut lookup = std::collections::HashMap::new();
@@ -162,16 +172,40 @@ impl ExpertStore {
                     format!("blob offset {} is not page-aligned", entry.offset),
                 ));
             }
-            let end = entry.offset.saturating_add(entry.length);
-            if end > file_len {
+            let end = entry.offset.checked_add(entry.length);
+            if end.is_none_or(|end| end > file_len) {
                 return Err(Error::corrupt(
                     path,
                     Some(entry.id),
                     format!(
-                        "truncated expert store: needs bytes {}..{}, the file has {file_len}",
-                        entry.offset, end
+                        "truncated or corrupted expert store: blob at offset {} of {} bytes, the file has {file_len}",
+                        entry.offset, entry.length
                     ),
                 ));
+            }
+            // Direct reads move the padded blob: its end must be representable too.
+            if entry.offset.checked_add(entry.padded_length()).is_none() {
+                return Err(Error::corrupt(
+                    path,
+                    Some(entry.id),
+                    format!("blob at offset {} overflows when padded", entry.offset),
+                ));
+            }
+            // The matrices lie inside the blob (the layout check above makes this hold for
+            // every store this engine accepts; kept so no later change can read past a blob).
+            for m in &entry.matrices {
+                let inside = |offset: u64, bytes: u64| {
+                    offset
+                        .checked_add(bytes)
+                        .is_some_and(|end| end <= entry.length)
+                };
+                if !inside(m.offset, m.bytes) || !inside(m.scales_offset, m.scales_bytes) {
+                    return Err(Error::corrupt(
+                        path,
+                        Some(entry.id),
+                        format!("matrix `{}` lies outside its blob", m.name),
+                    ));
+                }
             }
         }
         for id in &layout.experts {
@@ -327,6 +361,18 @@ impl ExpertStore {
     }
 }
 
+/// Decodes the index with the wire format of `bincode::serialize` (fixed-width little-endian
+/// integers, trailing bytes allowed), bounded by the index's own length: a crafted length
+/// prefix inside it fails to decode instead of allocating what it claims.
+pub(crate) fn decode_index(bytes: &[u8]) -> bincode::Result<StoreIndex> {
+    use bincode::Options;
+    bincode::DefaultOptions::new()
+        .with_fixint_encoding()
+        .allow_trailing_bytes()
+        .with_limit(bytes.len() as u64)
+        .deserialize(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,5 +398,117 @@ mod tests {
         let a = pacer.book(1 << 20);
         let b = pacer.book(1 << 20);
         assert!(b > a);
+    }
+
+    use super::super::format::{ExpertEncoding, ExpertStoreWriter};
+    use crate::ids::Stack;
+    use crate::weights::WeightDtype;
+
+    fn layout() -> ExpertLayout {
+        ExpertLayout {
+            matrices: vec![("wi", 4, 8), ("wo", 8, 4)],
+            experts: (0..2)
+                .map(|expert| ExpertId {
+                    stack: Stack::Decoder,
+                    layer: 1,
+                    expert,
+                })
+                .collect(),
+        }
+    }
+
+    /// A valid two-expert store in `dir`.
+    fn store(dir: &Path) -> PathBuf {
+        let path = dir.join("experts.bin");
+        let layout = layout();
+        let encoding = ExpertEncoding::Float(WeightDtype::F32);
+        let experts: Vec<_> = layout.experts.iter().map(|&id| (id, encoding)).collect();
+        let mut writer = ExpertStoreWriter::create(&path, &layout, &experts).unwrap();
+        while let Some(entry) = writer.next_entry() {
+            let blob = vec![7u8; entry.length as usize];
+            writer.write_next(&blob).unwrap();
+        }
+        writer.finish().unwrap();
+        path
+    }
+
+    fn patch(path: &Path, at: u64, bytes: &[u8]) {
+        let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        file.write_all_at(bytes, at).unwrap();
+    }
+
+    /// Rewrites the index (same encoded length) and its checksum.
+    fn rewrite_index(path: &Path, edit: impl FnOnce(&mut Vec<u8>)) {
+        let data = std::fs::read(path).unwrap();
+        let len = u64::from_le_bytes(data[16..24].try_into().unwrap()) as usize;
+        let mut index = data[HEADER_BYTES..HEADER_BYTES + len].to_vec();
+        edit(&mut index);
+        patch(path, HEADER_BYTES as u64, &index);
+        patch(path, 24, &crc32fast::hash(&index).to_le_bytes());
+    }
+
+    fn corrupt_message(path: &Path) -> String {
+        match ExpertStore::open(path, &layout()) {
+            Err(e @ Error::Corrupt { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("experts.bin"), "{text}");
+                text
+            }
+            Err(other) => panic!("expected Error::Corrupt, got {other:?}"),
+            Ok(_) => panic!("a damaged store opened"),
+        }
+    }
+
+    #[test]
+    fn a_valid_store_opens_and_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = store(dir.path());
+        let store = ExpertStore::open(&path, &layout()).unwrap();
+        let id = layout().experts[1];
+        let mut buf = vec![0u8; store.max_padded_expert_bytes() as usize];
+        let n = store.read_expert(id, &mut buf).unwrap();
+        assert!(buf[..n as usize].iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn crafted_index_lengths_are_refused_before_allocating() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = store(dir.path());
+        let file_len = std::fs::metadata(&path).unwrap().len();
+        // Overflows `32 + len`; one past the file; huge but representable (1 TiB).
+        for claim in [u64::MAX, u64::MAX - 31, file_len + 1, 1 << 40] {
+            patch(&path, 16, &claim.to_le_bytes());
+            let text = corrupt_message(&path);
+            assert!(text.contains(&claim.to_string()), "{text}");
+        }
+    }
+
+    #[test]
+    fn a_crafted_length_inside_the_index_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = store(dir.path());
+        // The index starts with the expert count (u64): claim 2^60 entries.
+        rewrite_index(&path, |index| {
+            index[..8].copy_from_slice(&(1u64 << 60).to_le_bytes())
+        });
+        let text = corrupt_message(&path);
+        assert!(text.contains("cannot decode"), "{text}");
+    }
+
+    #[test]
+    fn blob_offsets_near_the_end_of_the_address_space_are_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = store(dir.path());
+        for offset in [u64::MAX - (BLOB_ALIGN - 1), 1 << 63] {
+            rewrite_index(&path, |bytes| {
+                let mut index: StoreIndex = decode_index(bytes).unwrap();
+                index.experts[1].offset = offset;
+                let encoded = bincode::serialize(&index).unwrap();
+                assert_eq!(encoded.len(), bytes.len());
+                *bytes = encoded;
+            });
+            let text = corrupt_message(&path);
+            assert!(text.contains(&offset.to_string()), "{text}");
+        }
     }
 }
