@@ -40,7 +40,7 @@ impl Bundle {
         }
         for file in [CONFIG_FILE, RESIDENT_FILE, EXPERTS_FILE, TOKENIZER_FILE] {
             let path = dir.join(file);
-            if !path.is_file() {
+            if !path.exists() {
                 return Err(Error::io(
                     &path,
                     std::io::Error::new(
@@ -49,6 +49,8 @@ impl Bundle {
                     ),
                 ));
             }
+            // A directory or FIFO in a file's place is named as what it is, never opened.
+            crate::io::check_regular_file(&path)?;
         }
         let config = BundleConfig::load(&dir.join(CONFIG_FILE))?;
         Ok(Bundle {

@@ -237,7 +237,7 @@ impl PathDictionary {
     }
 
     pub fn load(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = crate::io::read_bytes(path)?;
         if bytes.len() < 12 || &bytes[..8] != PATHS_MAGIC {
             return Err(Error::format(
                 path,

@@ -1,5 +1,7 @@
-//! Small file helpers every layer uses: JSON in and out naming the file in every error, and
-//! the one place that asks the kernel to drop a file's cached pages.
+//! Small file helpers every layer uses: JSON in and out naming the file in every error, the one
+//! check that a path to read is a regular file (not a directory, not a FIFO that would block),
+//! the check that an output path can be written before work starts, and the one place that asks
+//! the kernel to drop a file's cached pages.
 
 use std::path::Path;
 
@@ -7,7 +9,7 @@ use crate::error::{Error, Result};
 
 /// Reads and parses a JSON file, naming the file in every error.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = read_text(path)?;
     serde_json::from_str(&text).map_err(|e| Error::format(path, format!("invalid JSON: {e}")))
 }
 
@@ -33,4 +35,117 @@ pub fn drop_cached_pages(path: &Path) {
     if let Ok(file) = std::fs::File::open(path) {
         drop_page_cache(&file);
     }
+}
+
+/// Fails unless `path` is a regular file (symbolic links followed), naming the path and what it
+/// is instead. Every read of a file named by the user or a bundle goes through here first: a
+/// directory would otherwise read as a confusing error, and opening a FIFO blocks until some
+/// other process writes to it, so the check reads metadata only and never opens the path.
+pub fn check_regular_file(path: &Path) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = std::fs::metadata(path)
+        .map_err(|e| Error::io(path, e))?
+        .file_type();
+    let what = if kind.is_file() {
+        return Ok(());
+    } else if kind.is_dir() {
+        "is a directory, not a file"
+    } else if kind.is_fifo() {
+        "is not a regular file (FIFO); give a file, or `-` where a command reads standard input"
+    } else if kind.is_socket() {
+        "is not a regular file (socket)"
+    } else if kind.is_block_device() {
+        "is not a regular file (block device)"
+    } else if kind.is_char_device() {
+        "is not a regular file (character device)"
+    } else {
+        "is not a regular file"
+    };
+    Err(Error::io(
+        path,
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, what),
+    ))
+}
+
+/// Opens a regular file for reading ([`check_regular_file`] first), naming it in errors.
+pub fn open_file(path: &Path) -> Result<std::fs::File> {
+    check_regular_file(path)?;
+    std::fs::File::open(path).map_err(|e| Error::io(path, e))
+}
+
+/// The text of a regular file ([`check_regular_file`] first), naming it in errors.
+pub fn read_text(path: &Path) -> Result<String> {
+    check_regular_file(path)?;
+    std::fs::read_to_string(path).map_err(|e| Error::io(path, e))
+}
+
+/// The bytes of a regular file ([`check_regular_file`] first), naming it in errors.
+pub fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    check_regular_file(path)?;
+    std::fs::read(path).map_err(|e| Error::io(path, e))
+}
+
+/// Checks, before any work starts, that `path` (the value of `flag`) can be written later: its
+/// parent directory exists and is writable, and the path itself is not a directory. So a long
+/// run does not end in "no such directory" when it saves its results.
+pub fn check_output_path(flag: &str, path: &Path) -> Result<()> {
+    let shown = path.display();
+    if path.is_dir() {
+        return Err(Error::Input(format!(
+            "{flag} {shown}: is a directory; give a file path"
+        )));
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    check_writable_dir(flag, path, parent)
+}
+
+/// [`check_output_path`] for a flag whose value is a directory that a run creates (with its
+/// missing parents) and fills: its nearest existing ancestor (itself included) must be a
+/// writable directory.
+pub fn check_output_dir(flag: &str, dir: &Path) -> Result<()> {
+    let mut existing = dir;
+    while std::fs::symlink_metadata(existing).is_err() {
+        match existing.parent() {
+            Some(p) if !p.as_os_str().is_empty() => existing = p,
+            _ => {
+                existing = Path::new(".");
+                break;
+            }
+        }
+    }
+    check_writable_dir(flag, dir, existing)
+}
+
+fn check_writable_dir(flag: &str, path: &Path, dir: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let shown = path.display();
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(Error::Input(format!(
+                "{flag} {shown}: {} is not a directory",
+                dir.display()
+            )))
+        }
+        Err(_) => {
+            return Err(Error::Input(format!(
+                "{flag} {shown}: directory {} does not exist",
+                dir.display()
+            )))
+        }
+    }
+    let Ok(c_dir) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return Ok(());
+    };
+    // SAFETY: `access` reads a NUL-terminated path that lives for the call.
+    if unsafe { libc::access(c_dir.as_ptr(), libc::W_OK) } != 0 {
+        return Err(Error::Input(format!(
+            "{flag} {shown}: directory {} is not writable",
+            dir.display()
+        )));
+    }
+    Ok(())
 }

@@ -7,6 +7,18 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // A closed standard output (`edgemoe inspect B | head -1`) ends the process quietly, the way
+    // it ends `cat` or `grep`: killed by SIGPIPE at the first write, exit status 128+13 = 141 in
+    // a shell. Rust sets SIGPIPE to "ignore" before `main`, which turns that write into an EPIPE
+    // error that `println!` answers with a panic (exit 101). Restoring the default disposition
+    // covers every write in one place — the commands' `println!`s, the library's printing,
+    // streamed tokens, any thread — where routing each of them through a fallible write would
+    // leave the next new `println!` to panic again. Nobody reads what would have been printed,
+    // so nothing is lost; files being written are not pipes and are unaffected.
+    // SAFETY: called first thing in `main`, before any thread exists; SIG_DFL is a valid handler.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let args = cli::Cli::parse();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,

@@ -21,6 +21,7 @@ impl Tokenizer {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found"),
             ));
         }
+        crate::io::check_regular_file(path)?;
         let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
             path: path.to_path_buf(),
             message: e.to_string(),

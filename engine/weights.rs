@@ -11,7 +11,6 @@
 //! files is an error naming it (the file and the model disagree).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -80,7 +79,7 @@ const PAGE: usize = 4096;
 
 impl MappedBytes {
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::io::open_file(path)?;
         // SAFETY: read-only map of a file the engine does not modify while it runs (the same
         // contract as the safetensors loader below).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
@@ -122,7 +121,7 @@ struct MappedFile {
 
 impl MappedFile {
     fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::io::open_file(path)?;
         // SAFETY: the map is read-only and lives as long as this struct. Files under a model
         // directory are not expected to change while the engine runs; if one is truncated
         // concurrently, reads may fault, which is the documented risk of every mmap loader.

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::cli::{assert_fails, run, stderr, stdout};
+use common::cli::{assert_fails, mkfifo, run, run_with_closed_stdout, run_within, stderr, stdout};
 use common::golden::{decoder_golden, samsum_golden};
 
 use edgemoe::bundle::EXPERTS_FILE;
@@ -711,6 +711,270 @@ fn commands_refuse_the_other_architecture() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("999") && err.contains("vocabulary"), "{err}");
+}
+
+/// Every command that prints ends quietly when its standard output is closed (`| head -1`):
+/// killed by SIGPIPE like `cat`, never Rust's "failed printing to stdout" panic (exit 101).
+#[test]
+fn closed_stdout_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(&dir.path().join("b"));
+    let doc = dir.path().join("doc.txt");
+    std::fs::write(&doc, first_dialogue()).unwrap();
+    let data = dir.path().join("one.jsonl");
+    let text = std::fs::read_to_string(common::samsum("test")).unwrap();
+    std::fs::write(&data, text.lines().next().unwrap()).unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let b = bundle.to_str().unwrap();
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            b,
+            "--input",
+            doc.to_str().unwrap(),
+            "--max-new-tokens",
+            "4",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let decoder = common::convert_to(&common::fixture("tiny-olmoe"), &dir.path().join("d"));
+    let (doc, data, trace) = (
+        doc.to_str().unwrap(),
+        data.to_str().unwrap(),
+        trace.to_str().unwrap(),
+    );
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["inspect", b],
+        vec!["summarize", "--model", b, "--input", doc, "--ids", "-q"],
+        vec!["summarize", "--model", b, "--input", doc, "-q"],
+        vec![
+            "generate",
+            "--model",
+            decoder.to_str().unwrap(),
+            "--prompt-ids",
+            "5,6",
+            "--max-new-tokens",
+            "3",
+            "-q",
+        ],
+        vec!["replay", "--trace", trace],
+        vec!["replay", "--trace", trace, "--json"],
+        vec!["rouge", "--pred", doc, "--ref", doc],
+        vec!["rouge", "--pred", doc, "--ref", doc, "--json"],
+        vec!["eval", "--model", b, "--data", data, "--json"],
+        vec!["eval", "--model", b, "--data", data],
+    ];
+    for args in commands {
+        let out = run_with_closed_stdout(&args);
+        let err = stderr(&out);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_ne!(out.status.code(), Some(101), "{args:?}: {err}");
+        assert!(
+            out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+        assert!(!err.contains("error:"), "{args:?}: {err}");
+    }
+}
+
+/// A directory or FIFO where a bundle file or an input file should be is refused by name, at
+/// once (opening a FIFO would block until some process writes to it).
+#[test]
+fn directories_and_fifos_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let doc = dir.path().join("doc.txt");
+    std::fs::write(&doc, "Anna: hi").unwrap();
+    let doc = doc.to_str().unwrap();
+    let summarize = |bundle: &Path, input: &str| {
+        run_within(
+            &[
+                "summarize",
+                "--model",
+                bundle.to_str().unwrap(),
+                "--input",
+                input,
+            ],
+            60,
+        )
+    };
+
+    let bundle = demo_bundle(&dir.path().join("dir"));
+    std::fs::remove_file(bundle.join("resident.safetensors")).unwrap();
+    std::fs::create_dir(bundle.join("resident.safetensors")).unwrap();
+    assert_fails(
+        &summarize(&bundle, doc),
+        &["resident.safetensors", "is a directory"],
+    );
+
+    for file in ["config.json", "experts.bin", "tokenizer.json"] {
+        let bundle = demo_bundle(&dir.path().join(format!("fifo-{file}")));
+        std::fs::remove_file(bundle.join(file)).unwrap();
+        mkfifo(&bundle.join(file));
+        assert_fails(
+            &summarize(&bundle, doc),
+            &[file, "not a regular file (FIFO)"],
+        );
+    }
+
+    let bundle = demo_bundle(&dir.path().join("paths"));
+    let _ = std::fs::remove_file(bundle.join("paths.bin"));
+    mkfifo(&bundle.join("paths.bin"));
+    assert_fails(&summarize(&bundle, doc), &["paths.bin", "FIFO"]);
+    let inspect = run_within(&["inspect", bundle.to_str().unwrap()], 60);
+    assert!(inspect.status.code().is_some(), "{}", stderr(&inspect));
+
+    let bundle = demo_bundle(&dir.path().join("ok"));
+    let input_dir = dir.path().join("input-dir");
+    std::fs::create_dir(&input_dir).unwrap();
+    assert_fails(
+        &summarize(&bundle, input_dir.to_str().unwrap()),
+        &["input-dir", "is a directory"],
+    );
+    let fifo = dir.path().join("input.fifo");
+    mkfifo(&fifo);
+    let fifo = fifo.to_str().unwrap();
+    assert_fails(&summarize(&bundle, fifo), &["input.fifo", "FIFO"]);
+    let b = bundle.to_str().unwrap();
+    for args in [
+        vec!["eval", "--model", b, "--data", fifo],
+        vec!["rouge", "--pred", fifo, "--ref", doc],
+        vec!["rouge", "--pred", doc, "--ref", fifo],
+        vec!["replay", "--trace", fifo],
+        vec!["summarize", "--model", b, "--input", doc, "--profile", fifo],
+    ] {
+        assert_fails(&run_within(&args, 60), &["input.fifo", "FIFO"]);
+    }
+    // `--input -` still reads standard input.
+    let out = run(
+        &["summarize", "--model", b, "--input", "-", "-q"],
+        Some("Anna: hi"),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// An output path whose directory does not exist fails before anything runs: the error names
+/// the flag and the path although the bundle does not exist either, and nothing is written.
+#[test]
+fn output_paths_are_checked_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let absent = dir.path().join("no-model");
+    let absent = absent.to_str().unwrap();
+    let out_file = dir.path().join("no-such-dir").join("out.json");
+    let out_path = out_file.to_str().unwrap();
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n").unwrap();
+    let data = data.to_str().unwrap();
+    let trace = dir.path().join("t.jsonl");
+    std::fs::write(&trace, "").unwrap();
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        (
+            "--predictions",
+            vec![
+                "eval",
+                "--model",
+                absent,
+                "--data",
+                data,
+                "--predictions",
+                out_path,
+            ],
+        ),
+        (
+            "--stats-json",
+            vec!["summarize", "--model", absent, "--stats-json", out_path],
+        ),
+        (
+            "--trace",
+            vec!["summarize", "--model", absent, "--trace", out_path],
+        ),
+        (
+            "--stats-json",
+            vec![
+                "generate",
+                "--model",
+                absent,
+                "--prompt-ids",
+                "5",
+                "--stats-json",
+                out_path,
+            ],
+        ),
+        (
+            "--json",
+            vec![
+                "calibrate",
+                "--model",
+                absent,
+                "--data",
+                data,
+                "--json",
+                out_path,
+            ],
+        ),
+        (
+            "--out",
+            vec![
+                "tune-bits",
+                "--model",
+                absent,
+                "--data",
+                data,
+                "--max-loss",
+                "0.1",
+                "--out",
+                out_path,
+            ],
+        ),
+        (
+            "--plot",
+            vec![
+                "replay",
+                "--trace",
+                trace.to_str().unwrap(),
+                "--plot",
+                out_path,
+            ],
+        ),
+    ];
+    for (flag, args) in cases {
+        let out = run(&args, Some("Anna: hi"));
+        assert_fails(&out, &[flag, "no-such-dir", "does not exist"]);
+        assert!(!out_file.exists());
+    }
+    // A directory where the file should go, and a bench --out under a regular file.
+    let stats_dir = dir.path().join("stats-dir");
+    std::fs::create_dir(&stats_dir).unwrap();
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            absent,
+            "--stats-json",
+            stats_dir.to_str().unwrap(),
+        ],
+        Some("Anna: hi"),
+    );
+    assert_fails(&out, &["--stats-json", "stats-dir", "is a directory"]);
+    let bench_out = dir.path().join("data.jsonl").join("results");
+    let out = run(
+        &[
+            "bench",
+            "--model",
+            absent,
+            "--data",
+            data,
+            "--out",
+            bench_out.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["--out", "data.jsonl", "not a directory"]);
 }
 
 /// Numbers the user typed size nothing without bound: a huge `replay --slots` is replayed as

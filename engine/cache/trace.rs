@@ -102,7 +102,7 @@ impl TraceWriter {
 
 /// Reads a whole trace, naming the line of any malformed entry.
 pub fn read_trace(path: &Path) -> Result<(TraceHeader, Vec<TraceEvent>)> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = crate::io::open_file(path)?;
     let mut lines = BufReader::new(file).lines();
     let first = lines
         .next()

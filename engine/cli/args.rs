@@ -12,10 +12,10 @@ use edgemoe::cache::Policy;
 use edgemoe::config::profile::{DeviceKind, DeviceProfile};
 use edgemoe::generation::report::RunStats;
 use edgemoe::generation::session::CacheOptions;
+use edgemoe::io::check_output_path;
 use edgemoe::runtime::modes::Mode;
 use edgemoe::store::{ExpertEncoding, StorageMode};
 use edgemoe::units::parse_bytes;
-use edgemoe::Error;
 
 /// Where `./setup.sh` puts the converted demo model; the default `--model`.
 pub const DEFAULT_BUNDLE: &str = "bundles/switch-samsum-tiny";
@@ -40,7 +40,7 @@ pub fn read_input(input: &str) -> Result<(String, String)> {
         Ok((text, "standard input".into()))
     } else {
         let path = Path::new(input);
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = edgemoe::io::read_text(path)?;
         Ok((text, path.display().to_string()))
     }
 }
@@ -68,6 +68,14 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
+    /// Fails unless `--stats-json` can be written: checked before any work starts.
+    pub fn check(&self) -> Result<()> {
+        if let Some(path) = &self.stats_json {
+            check_output_path("--stats-json", path)?;
+        }
+        Ok(())
+    }
+
     /// Prints the statistics line (unless `--quiet`) and writes `--stats-json`.
     pub fn report(&self, stats: &RunStats) -> Result<()> {
         if !self.quiet {
@@ -139,6 +147,14 @@ pub struct RunSettings {
 }
 
 impl CacheArgs {
+    /// Fails unless `--trace` can be written: checked before any work starts.
+    pub fn check(&self) -> Result<()> {
+        if let Some(path) = &self.trace {
+            check_output_path("--trace", path)?;
+        }
+        Ok(())
+    }
+
     /// Flags over profile over defaults; applies the thread count.
     pub fn resolve(&self) -> Result<RunSettings> {
         let profile = self

@@ -60,6 +60,7 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    edgemoe::io::check_output_dir("--out", &args.out)?;
     let sizes = if args.buffer_experts.is_empty() {
         BenchSizes::Budgets(args.budgets)
     } else {

@@ -34,6 +34,9 @@ pub struct CalibrateArgs {
 }
 
 pub fn run(args: CalibrateArgs) -> Result<()> {
+    if let Some(path) = &args.json {
+        edgemoe::io::check_output_path("--json", path)?;
+    }
     check_default_bundle(&args.model)?;
     let run = calibrate(&CalibrateOptions {
         bundle: args.model,

@@ -8,6 +8,7 @@ use clap::Args;
 use edgemoe::bundle::Bundle;
 use edgemoe::generation::decoding::DecodeOptions;
 use edgemoe::generation::session::{Session, SessionOptions};
+use edgemoe::io::check_output_path;
 use edgemoe::offline::eval::{evaluate, read_examples};
 use edgemoe::Error;
 
@@ -45,6 +46,10 @@ pub struct EvalArgs {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
+    if let Some(path) = &args.predictions {
+        check_output_path("--predictions", path)?;
+    }
+    args.cache.check()?;
     check_default_bundle(&args.model)?;
     let examples = read_examples(&args.data, args.limit)?;
     let bundle = Bundle::open(&args.model)?;

@@ -54,6 +54,8 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    args.output.check()?;
+    args.cache.check()?;
     let bundle = Bundle::open(&args.model)?;
     let tokenizer = bundle.tokenizer()?;
     let generation = bundle.config.generation.clone();

@@ -32,6 +32,9 @@ pub struct ReplayArgs {
 }
 
 pub fn run(args: ReplayArgs) -> Result<()> {
+    if let Some(path) = &args.plot {
+        edgemoe::io::check_output_path("--plot", path)?;
+    }
     let (header, events) = read_trace(&args.trace)?;
     let policies: Vec<Policy> = if args.policy.iter().any(|p| p == "all") {
         Policy::ONLINE

@@ -42,6 +42,8 @@ pub struct SummarizeArgs {
 }
 
 pub fn run(args: SummarizeArgs) -> Result<()> {
+    args.output.check()?;
+    args.cache.check()?;
     check_default_bundle(&args.model)?;
     let (text, source) = read_input(&args.input)?;
     let documents = parse_documents(&text, &source)?;

@@ -43,6 +43,7 @@ pub struct TuneBitsArgs {
 }
 
 pub fn run(args: TuneBitsArgs) -> Result<()> {
+    edgemoe::io::check_output_path("--out", &args.out)?;
     let source = match (args.model, args.hf) {
         (Some(model), _) => TuneSource::Bundle(model),
         (None, Some(hf)) => TuneSource::Checkpoint(hf),

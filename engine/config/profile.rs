@@ -106,7 +106,7 @@ impl DeviceProfile {
                 names.join(", ")
             )));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::io::read_text(path)?;
         Self::parse(&text, path)
     }
 

@@ -19,7 +19,7 @@ pub struct Example {
 
 /// Reads JSON lines with a `dialogue`/`document` field and a `summary`/`reference` field.
 pub fn read_examples(path: &Path, limit: Option<usize>) -> Result<Vec<Example>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::io::read_text(path)?;
     let mut out = Vec::new();
     for (number, line) in text.lines().enumerate() {
         if line.trim().is_empty() {

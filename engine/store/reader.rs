@@ -91,7 +91,7 @@ impl ExpertStore {
     /// checksum, every expert of every MoE block present with the model's shapes, and every blob
     /// inside the file (a truncated store is reported here, naming the first missing expert).
     pub fn open(path: &Path, layout: &ExpertLayout) -> Result<Self> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::io::open_file(path)?;
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         let mut header = [0u8; HEADER_BYTES];
         file.read_exact_at(&mut header, 0).map_err(|_| {

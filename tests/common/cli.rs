@@ -46,3 +46,52 @@ pub fn assert_fails(out: &Output, needles: &[&str]) {
         assert!(err.contains(needle), "expected `{needle}` in: {err}");
     }
 }
+
+/// Runs `edgemoe args…` with its standard output a pipe whose reading end is closed before the
+/// program writes anything (as `edgemoe … | head -0` would), and no standard input.
+pub fn run_with_closed_stdout(args: &[&str]) -> Output {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    child.wait_with_output().unwrap()
+}
+
+/// [`run`] with no standard input that must end within `secs` seconds (it is killed and the
+/// test fails otherwise: a run blocked on opening a FIFO, say).
+pub fn run_within(args: &[&str], secs: u64) -> Output {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed().as_secs() >= secs {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "`edgemoe {}` still running after {secs} s; stderr: {}",
+                args.join(" "),
+                stderr(&out)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Makes a FIFO (named pipe) at `path`.
+pub fn mkfifo(path: &std::path::Path) {
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mkfifo {}", path.display());
+}
