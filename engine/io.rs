@@ -1,5 +1,6 @@
 //! Small file helpers every layer uses: JSON in and out naming the file in every error, the one
-//! check that a path to read is a regular file (not a directory, not a FIFO that would block),
+//! check that a path to read is a regular file (not a directory, not a FIFO that would block)
+//! or, for a file the user names as input, a file or a stream they chose (`<(cmd)`, /dev/stdin),
 //! the check that an output path can be written before work starts, and the one place that asks
 //! the kernel to drop a file's cached pages.
 
@@ -38,15 +39,28 @@ pub fn drop_cached_pages(path: &Path) {
 }
 
 /// Fails unless `path` is a regular file (symbolic links followed), naming the path and what it
-/// is instead. Every read of a file named by the user or a bundle goes through here first: a
-/// directory would otherwise read as a confusing error, and opening a FIFO blocks until some
-/// other process writes to it, so the check reads metadata only and never opens the path.
+/// is instead. Every read of a bundle's file goes through here first: a directory would
+/// otherwise read as a confusing error, and opening a FIFO where a bundle file should be blocks
+/// until some other process writes to it, so the check reads metadata only and never opens the
+/// path.
 pub fn check_regular_file(path: &Path) -> Result<()> {
+    check_file(path, false)
+}
+
+/// [`check_regular_file`] for a file the user names as input (`--input`, `--data`, `--pred`,
+/// `--trace`, `--profile`): a FIFO or character device is allowed too, since a user who passes
+/// `<(cmd)` or `/dev/stdin` means to stream into it; directories, sockets and block devices are
+/// refused by name.
+pub fn check_input_file(path: &Path) -> Result<()> {
+    check_file(path, true)
+}
+
+fn check_file(path: &Path, streams_allowed: bool) -> Result<()> {
     use std::os::unix::fs::FileTypeExt;
     let kind = std::fs::metadata(path)
         .map_err(|e| Error::io(path, e))?
         .file_type();
-    let what = if kind.is_file() {
+    let what = if kind.is_file() || (streams_allowed && (kind.is_fifo() || kind.is_char_device())) {
         return Ok(());
     } else if kind.is_dir() {
         "is a directory, not a file"
@@ -77,6 +91,19 @@ pub fn open_file(path: &Path) -> Result<std::fs::File> {
 pub fn read_text(path: &Path) -> Result<String> {
     check_regular_file(path)?;
     std::fs::read_to_string(path).map_err(|e| Error::io(path, e))
+}
+
+/// The text of a file the user names as input ([`check_input_file`] first), naming it in
+/// errors.
+pub fn read_input_text(path: &Path) -> Result<String> {
+    check_input_file(path)?;
+    std::fs::read_to_string(path).map_err(|e| Error::io(path, e))
+}
+
+/// Opens a file the user names as input ([`check_input_file`] first), naming it in errors.
+pub fn open_input_file(path: &Path) -> Result<std::fs::File> {
+    check_input_file(path)?;
+    std::fs::File::open(path).map_err(|e| Error::io(path, e))
 }
 
 /// The bytes of a regular file ([`check_regular_file`] first), naming it in errors.

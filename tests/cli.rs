@@ -786,7 +786,7 @@ fn closed_stdout_ends_quietly() {
 /// A directory or FIFO where a bundle file or an input file should be is refused by name, at
 /// once (opening a FIFO would block until some process writes to it).
 #[test]
-fn directories_and_fifos_are_refused_by_name() {
+fn directories_and_fifos_are_refused_by_name_where_a_bundle_file_should_be() {
     let dir = tempfile::tempdir().unwrap();
     let doc = dir.path().join("doc.txt");
     std::fs::write(&doc, "Anna: hi").unwrap();
@@ -836,20 +836,39 @@ fn directories_and_fifos_are_refused_by_name() {
         &summarize(&bundle, input_dir.to_str().unwrap()),
         &["input-dir", "is a directory"],
     );
-    let fifo = dir.path().join("input.fifo");
-    mkfifo(&fifo);
-    let fifo = fifo.to_str().unwrap();
-    assert_fails(&summarize(&bundle, fifo), &["input.fifo", "FIFO"]);
+    // Input files the user names may be streams they chose (`<(cmd)`, /dev/stdin): a directory,
+    // a socket or a block device is refused, a FIFO with a writer is read.
     let b = bundle.to_str().unwrap();
     for args in [
-        vec!["eval", "--model", b, "--data", fifo],
-        vec!["rouge", "--pred", fifo, "--ref", doc],
-        vec!["rouge", "--pred", doc, "--ref", fifo],
-        vec!["replay", "--trace", fifo],
-        vec!["summarize", "--model", b, "--input", doc, "--profile", fifo],
+        vec!["eval", "--model", b, "--data", input_dir.to_str().unwrap()],
+        vec!["rouge", "--pred", input_dir.to_str().unwrap(), "--ref", doc],
+        vec!["replay", "--trace", input_dir.to_str().unwrap()],
+        vec![
+            "summarize",
+            "--model",
+            b,
+            "--input",
+            doc,
+            "--profile",
+            input_dir.to_str().unwrap(),
+        ],
     ] {
-        assert_fails(&run_within(&args, 60), &["input.fifo", "FIFO"]);
+        assert_fails(&run_within(&args, 60), &["input-dir", "is a directory"]);
     }
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            b,
+            "--input",
+            "/dev/stdin",
+            "--ids",
+            "-q",
+        ],
+        Some("Anna: hi"),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stdout(&out).trim().is_empty());
     // `--input -` still reads standard input.
     let out = run(
         &["summarize", "--model", b, "--input", "-", "-q"],

@@ -102,7 +102,7 @@ impl TraceWriter {
 
 /// Reads a whole trace, naming the line of any malformed entry.
 pub fn read_trace(path: &Path) -> Result<(TraceHeader, Vec<TraceEvent>)> {
-    let file = crate::io::open_file(path)?;
+    let file = crate::io::open_input_file(path)?;
     let mut lines = BufReader::new(file).lines();
     let first = lines
         .next()

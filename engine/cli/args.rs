@@ -40,7 +40,7 @@ pub fn read_input(input: &str) -> Result<(String, String)> {
         Ok((text, "standard input".into()))
     } else {
         let path = Path::new(input);
-        let text = edgemoe::io::read_text(path)?;
+        let text = edgemoe::io::read_input_text(path)?;
         Ok((text, path.display().to_string()))
     }
 }

@@ -106,7 +106,7 @@ impl DeviceProfile {
                 names.join(", ")
             )));
         }
-        let text = crate::io::read_text(path)?;
+        let text = crate::io::read_input_text(path)?;
         Self::parse(&text, path)
     }
 

@@ -165,9 +165,7 @@ pub fn input_ids(model: &Model, tokenizer: &Tokenizer, text: &str, max: usize) -
     if model.has_encoder() {
         tokenizer.encode(text, max)
     } else {
-        let mut ids = tokenizer.encode_all(text)?;
-        ids.drain(..ids.len().saturating_sub(max.max(1)));
-        Ok(ids)
+        tokenizer.encode_last(text, max)
     }
 }
 

@@ -25,7 +25,7 @@ pub const DOCUMENT_PROMPT_TOKENS: usize = 512;
 /// Reads documents (JSON lines with a `dialogue` or `document` field, or one plain document),
 /// keeping the first `limit`.
 pub fn read_documents(path: &Path, limit: Option<usize>) -> Result<Vec<String>> {
-    let text = crate::io::read_text(path)?;
+    let text = crate::io::read_input_text(path)?;
     let mut documents = parse_documents(&text, &path.display().to_string())?;
     if let Some(n) = limit {
         documents.truncate(n);

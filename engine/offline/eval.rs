@@ -6,6 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::generation::input::json_records;
 use crate::generation::report::RunStats;
 use crate::generation::session::Session;
 use crate::offline::rouge::{self, RougeScores};
@@ -17,45 +18,34 @@ pub struct Example {
     pub reference: String,
 }
 
-/// Reads JSON lines with a `dialogue`/`document` field and a `summary`/`reference` field.
+/// Reads JSON lines (or a JSON array of objects) with a `dialogue`/`document` field and a
+/// `summary`/`reference` field.
 pub fn read_examples(path: &Path, limit: Option<usize>) -> Result<Vec<Example>> {
-    let text = crate::io::read_text(path)?;
-    let mut out = Vec::new();
-    for (number, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        if limit.is_some_and(|n| out.len() >= n) {
-            break;
-        }
-        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            Error::Input(format!(
-                "{} line {}: invalid JSON: {e}",
-                path.display(),
-                number + 1
-            ))
-        })?;
-        let field = |keys: [&str; 2]| {
-            keys.iter()
-                .find_map(|k| value.get(k).and_then(|v| v.as_str()))
-                .map(str::to_string)
-                .ok_or_else(|| {
-                    Error::Input(format!(
-                        "{} line {}: no string field `{}` or `{}`",
-                        path.display(),
-                        number + 1,
-                        keys[0],
-                        keys[1]
-                    ))
-                })
-        };
-        out.push(Example {
-            document: field(["dialogue", "document"])?,
-            reference: field(["summary", "reference"])?,
-        });
-    }
+    let text = crate::io::read_input_text(path)?;
+    parse_examples(&text, &path.display().to_string(), limit)
+}
+
+/// Examples of JSON lines or a JSON array of objects (read by
+/// [`crate::generation::input::json_records`]: a byte-order mark is skipped, an invalid line
+/// is an error naming it), at most `limit` of them.
+pub fn parse_examples(text: &str, source: &str, limit: Option<usize>) -> Result<Vec<Example>> {
+    let records = json_records(text, source)?.ok_or_else(|| {
+        Error::Input(format!(
+            "{source}: not JSON lines or a JSON array of objects with `dialogue` and `summary`"
+        ))
+    })?;
+    let out = records
+        .iter()
+        .take(limit.unwrap_or(usize::MAX))
+        .map(|r| {
+            Ok(Example {
+                document: r.field(&["dialogue", "document"], source)?,
+                reference: r.field(&["summary", "reference"], source)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     if out.is_empty() {
-        return Err(Error::Input(format!("{}: no examples", path.display())));
+        return Err(Error::Input(format!("{source}: no examples")));
     }
     Ok(out)
 }
@@ -113,4 +103,41 @@ pub fn evaluate(
         },
         predictions,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example(d: &str, r: &str) -> Example {
+        Example {
+            document: d.into(),
+            reference: r.into(),
+        }
+    }
+
+    #[test]
+    fn examples_from_bom_crlf_lines_and_arrays() {
+        let lines = "\u{feff}{\"dialogue\": \"a\", \"summary\": \"x\"}\r\n\r\n\
+                     {\"document\": \"b\", \"reference\": \"y\"}\r\n";
+        let want = vec![example("a", "x"), example("b", "y")];
+        assert_eq!(parse_examples(lines, "f", None).unwrap(), want);
+        assert_eq!(parse_examples(lines, "f", Some(1)).unwrap(), want[..1]);
+        let array = "[{\"dialogue\": \"a\", \"summary\": \"x\"},\n \
+                     {\"document\": \"b\", \"reference\": \"y\"}]";
+        assert_eq!(parse_examples(array, "f", None).unwrap(), want);
+    }
+
+    #[test]
+    fn bad_example_lines_are_named() {
+        let text = "\u{feff}{\"dialogue\": \"a\", \"summary\": \"x\"}\nnot json\n";
+        let err = parse_examples(text, "ref.jsonl", None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ref.jsonl line 2"), "{err}");
+        let text = "{\"dialogue\": \"a\"}";
+        let err = parse_examples(text, "f", None).unwrap_err().to_string();
+        assert!(err.contains("line 1") && err.contains("summary"), "{err}");
+        assert!(parse_examples("plain text", "f", None).is_err());
+    }
 }

@@ -139,8 +139,8 @@ pub fn score_files(
     reference: &Path,
     stem: bool,
 ) -> Result<(Vec<RougeScores>, RougeScores)> {
-    let predictions = crate::io::read_text(pred)?;
-    let references = crate::io::read_text(reference)?;
+    let predictions = crate::io::read_input_text(pred)?;
+    let references = crate::io::read_input_text(reference)?;
     let predictions: Vec<&str> = predictions.lines().collect();
     let references: Vec<&str> = references.lines().collect();
     if predictions.len() != references.len() {
