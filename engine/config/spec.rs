@@ -161,6 +161,11 @@ impl ModelSpec {
         }
     }
 
+    /// Whether the model has an encoder (its input is a source to rewrite, not a prompt).
+    pub fn has_encoder(&self) -> bool {
+        matches!(self, ModelSpec::Switch(_))
+    }
+
     /// The shape as `edgemoe inspect` prints it, one line each.
     pub fn describe(&self) -> Vec<String> {
         match self {

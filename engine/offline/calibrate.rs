@@ -22,6 +22,17 @@ use crate::model::LayerRoute;
 /// decoder-only model.
 pub const DOCUMENT_PROMPT_TOKENS: usize = 512;
 
+/// How many tokens of a document `calibrate` and `tune-bits` feed the model: an encoder reads
+/// the bundle's `max_source_tokens` (its first tokens), a decoder-only model a prompt of the
+/// document's last [`DOCUMENT_PROMPT_TOKENS`] tokens.
+pub fn document_input_tokens(bundle: &crate::bundle::Bundle) -> usize {
+    if bundle.config.model.has_encoder() {
+        bundle.config.generation.max_source_tokens
+    } else {
+        DOCUMENT_PROMPT_TOKENS
+    }
+}
+
 /// Reads documents (JSON lines with a `dialogue` or `document` field, or one plain document),
 /// keeping the first `limit`.
 pub fn read_documents(path: &Path, limit: Option<usize>) -> Result<Vec<String>> {
@@ -76,7 +87,6 @@ pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
     };
     let bundle = Bundle::open(&options.bundle)?;
     let spec = bundle.config.model.clone();
-    let generation = &bundle.config.generation;
     let cache = CacheOptions {
         policy: Policy::Lru,
         prefetch: false,
@@ -87,7 +97,7 @@ pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
     let mut session = Session::open(
         &bundle,
         SessionOptions {
-            max_input_tokens: generation.max_source_tokens.min(DOCUMENT_PROMPT_TOKENS),
+            max_input_tokens: document_input_tokens(&bundle),
             cache,
             ..SessionOptions::defaults(&bundle, u64::MAX / 4)
         },

@@ -36,7 +36,7 @@ use crate::ids::ExpertId;
 use crate::io::write_json;
 use crate::model::Model;
 use crate::offline::bit_plan::BitPlan;
-use crate::offline::calibrate::DOCUMENT_PROMPT_TOKENS;
+use crate::offline::calibrate::document_input_tokens;
 use crate::offline::convert::{convert, ConvertOptions};
 use crate::offline::eval::{read_examples, Example};
 use crate::offline::rouge;
@@ -461,8 +461,7 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
         &examples,
         EvalSettings {
             prefix: generation.input_prefix.clone(),
-            // Decoder-only models read documents as prompts: their last tokens.
-            max_source_tokens: generation.max_source_tokens.min(DOCUMENT_PROMPT_TOKENS),
+            max_source_tokens: document_input_tokens(&bundle),
         },
         &beside_plan(out, "measurements.json"),
         options.show_progress,
