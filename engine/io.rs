@@ -65,7 +65,7 @@ fn check_file(path: &Path, streams_allowed: bool) -> Result<()> {
     } else if kind.is_dir() {
         "is a directory, not a file"
     } else if kind.is_fifo() {
-        "is not a regular file (FIFO); give a file, or `-` where a command reads standard input"
+        "is not a regular file (FIFO)"
     } else if kind.is_socket() {
         "is not a regular file (socket)"
     } else if kind.is_block_device() {

@@ -1090,3 +1090,24 @@ fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// The error line names each cause once: the library's errors already carry their cause, so the
+/// binary must not repeat it (it printed "No such file or directory" twice).
+#[test]
+fn error_line_names_its_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("absent.txt");
+    let out = run(
+        &[
+            "rouge",
+            "--pred",
+            missing.to_str().unwrap(),
+            "--ref",
+            missing.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["absent.txt"]);
+    let err = stderr(&out);
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+}
