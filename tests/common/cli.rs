@@ -3,15 +3,20 @@
 use std::io::Write;
 use std::process::{Output, Stdio};
 
-/// Runs `edgemoe args…` with `stdin` (nothing if `None`) on its standard input.
-pub fn run(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
+/// Starts `edgemoe args…` with `stdin` and its standard output and error piped.
+fn spawn(args: &[&str], stdin: Stdio) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
         .args(args)
-        .stdin(Stdio::piped())
+        .stdin(stdin)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// Runs `edgemoe args…` with `stdin` (nothing if `None`) on its standard input.
+pub fn run(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = spawn(args, Stdio::piped());
     child
         .stdin
         .take()
@@ -50,13 +55,7 @@ pub fn assert_fails(out: &Output, needles: &[&str]) {
 /// Runs `edgemoe args…` with its standard output a pipe whose reading end is closed before the
 /// program writes anything (as `edgemoe … | head -0` would), and no standard input.
 pub fn run_with_closed_stdout(args: &[&str]) -> Output {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(args, Stdio::null());
     drop(child.stdout.take());
     child.wait_with_output().unwrap()
 }
@@ -64,13 +63,7 @@ pub fn run_with_closed_stdout(args: &[&str]) -> Output {
 /// [`run`] with no standard input that must end within `secs` seconds (it is killed and the
 /// test fails otherwise: a run blocked on opening a FIFO, say).
 pub fn run_within(args: &[&str], secs: u64) -> Output {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(args, Stdio::null());
     let start = std::time::Instant::now();
     while child.try_wait().unwrap().is_none() {
         if start.elapsed().as_secs() >= secs {
