@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 pub(crate) mod kernels;
+pub mod matrix;
 
 #[cfg(target_arch = "x86_64")]
 use kernels::avx2;

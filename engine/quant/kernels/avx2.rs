@@ -81,3 +81,145 @@ fn store16(codes: __m128i, s: __m256, o: &mut [f32; 16]) {
         _mm256_storeu_ps(o.as_mut_ptr().add(8), _mm256_mul_ps(hi, s));
     }
 }
+
+// ---- dot products (AVX2 + FMA + F16C) ----
+
+use super::{scalar as reference, Kernels, BLOCK};
+
+/// Whether this CPU runs [`KERNELS`].
+pub(crate) fn supported() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+pub(crate) static KERNELS: Kernels = Kernels {
+    name: "avx2",
+    // SAFETY (all three): this set is only chosen when `supported()` said yes.
+    dot_quant: |row, bits, cols, codes, scales| unsafe {
+        dot_quant(row, bits, cols, codes, scales)
+    },
+    dot_f16: |row, x| unsafe { dot_f16(row, x) },
+    dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+};
+
+#[target_feature(enable = "avx2,fma")]
+fn load256(bytes: &[u8]) -> __m256i {
+    assert!(bytes.len() >= 32);
+    // SAFETY: 32 readable bytes (checked), unaligned load.
+    unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn load128(bytes: &[u8]) -> __m128i {
+    assert!(bytes.len() >= 16);
+    // SAFETY: 16 readable bytes (checked), unaligned load.
+    unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn load_f32x8(x: &[f32]) -> __m256 {
+    assert!(x.len() >= 8);
+    // SAFETY: 8 readable floats (checked), unaligned load.
+    unsafe { _mm256_loadu_ps(x.as_ptr()) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// 32 signed weight codes · 32 activation codes → 8 partial i32 sums. `|w| ≤ 128` and
+/// `|x| ≤ 127`, so the pairwise i16 sums of `maddubs` cannot saturate.
+#[target_feature(enable = "avx2,fma")]
+fn block_products(w: __m256i, x: __m256i) -> __m256i {
+    let magnitude = _mm256_sign_epi8(w, w);
+    let signed_x = _mm256_sign_epi8(x, w);
+    _mm256_madd_epi16(
+        _mm256_maddubs_epi16(magnitude, signed_x),
+        _mm256_set1_epi16(1),
+    )
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
+    let full = cols / BLOCK;
+    let block_bytes = BLOCK * bits.bits() as usize / 8;
+    // SAFETY: i8 and u8 have the same layout.
+    let xb: &[u8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), codes.len()) };
+    let mut acc = _mm256_setzero_ps();
+    for (b, (w, &d)) in row
+        .chunks_exact(block_bytes)
+        .zip(scales)
+        .take(full)
+        .enumerate()
+    {
+        let w = match bits {
+            QuantBits::Int8 => load256(w),
+            QuantBits::Int4 => {
+                let v = load128(w);
+                let mask = _mm_set1_epi8(0x0f);
+                let lo = _mm_and_si128(v, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+                let sign = _mm256_setr_epi8(
+                    0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7,
+                    -8, -7, -6, -5, -4, -3, -2, -1,
+                );
+                _mm256_shuffle_epi8(sign, _mm256_set_m128i(hi, lo))
+            }
+            QuantBits::Int2 => {
+                let v = i64::from_le_bytes(w[..8].try_into().expect("8 bytes"));
+                let v = _mm_set1_epi64x(v);
+                let f01 = _mm_srlv_epi64(v, _mm_set_epi64x(2, 0));
+                let f23 = _mm_srlv_epi64(v, _mm_set_epi64x(6, 4));
+                let fields = _mm256_and_si256(_mm256_set_m128i(f23, f01), _mm256_set1_epi8(3));
+                let sign = _mm256_setr_epi8(
+                    0, 1, -2, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -2, -1, 0, 0, 0, 0, 0,
+                    0, 0, 0, 0, 0, 0, 0,
+                );
+                _mm256_shuffle_epi8(sign, fields)
+            }
+        };
+        let x = load256(&xb[b * BLOCK..]);
+        let sums = _mm256_cvtepi32_ps(block_products(w, x));
+        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(d), acc);
+    }
+    let mut sum = hsum(acc);
+    if full * BLOCK < cols {
+        sum += scales[full] * reference::block_sum(row, bits, cols, full, codes) as f32;
+    }
+    sum
+}
+
+/// 16-bit float rows: 32 values per step in four accumulators, the rest scalar.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m128i) -> __m256) -> f32 {
+    let steps = x.len() / 32;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for s in 0..steps {
+        let w = &row[s * 64..s * 64 + 64];
+        let xs = &x[s * 32..s * 32 + 32];
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(widen(load128(&w[j * 16..])), load_f32x8(&xs[j * 8..]), *a);
+        }
+    }
+    let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    hsum(total)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    let head = x.len() / 32 * 32;
+    dot_half(row, x, |h| _mm256_cvtph_ps(h)) + reference::dot_f16(&row[head * 2..], &x[head..])
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+    let head = x.len() / 32 * 32;
+    dot_half(row, x, |h| {
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }) + reference::dot_bf16(&row[head * 2..], &x[head..])
+}

@@ -1,9 +1,80 @@
-//! Dequantization kernels, one file per instruction set: the [`scalar`] reference, AVX2 on
-//! x86_64 and NEON on aarch64. Each turns packed rows into f32 (`q × scale`, one multiplication,
-//! no fused multiply-add) so that all kernels agree bit for bit.
+//! Kernels, one file per instruction set: the [`scalar`] reference, AVX2 (+FMA, F16C) on x86_64
+//! and NEON on aarch64 (ARMv8.0, plus `dotprod` where the CPU has it).
+//!
+//! Two families:
+//! - dequantization (packed rows → f32, `q × scale`, one multiplication, no fused multiply-add,
+//!   so all kernels agree bit for bit);
+//! - dot products of one stored row with one activation row, used by
+//!   [`crate::quant::matrix`]: f16/bf16 rows with f32 activations, and integer rows with INT8
+//!   activation blocks of [`BLOCK`] values.
+//!
+//! Activation blocks are stored in the order the SIMD kernels unpack weights, so no kernel
+//! shuffles in its inner loop: see [`block_order`].
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "aarch64")]
 pub(crate) mod neon;
 pub(crate) mod scalar;
+
+use std::sync::OnceLock;
+
+use crate::quant::QuantBits;
+
+/// Values per activation block (one f32 scale each).
+pub(crate) const BLOCK: usize = 32;
+
+/// Where element `i` (0..32) of a block sits in the activation codes for weights of `bits`:
+/// INT8 in order; INT4 even elements (low nibbles) first, then odd ones (high nibbles); INT2
+/// elements by their field in the byte (`4k + j` at `8j + k`).
+#[inline(always)]
+pub(crate) fn block_order(bits: QuantBits, i: usize) -> usize {
+    match bits {
+        QuantBits::Int8 => i,
+        QuantBits::Int4 => (i % 2) * 16 + i / 2,
+        QuantBits::Int2 => (i % 4) * 8 + i / 4,
+    }
+}
+
+/// `Σ_b x_scale[b] × Σ_{i∈b} w[i] · x_q[i]` over a packed integer row of `cols` values.
+pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &[i8], &[f32]) -> f32;
+/// `Σ_i w[i] · x[i]` over a stored 16-bit float row.
+pub(crate) type DotHalf = fn(&[u8], &[f32]) -> f32;
+
+/// One instruction set's dot-product kernels.
+pub(crate) struct Kernels {
+    pub name: &'static str,
+    pub dot_quant: DotQuant,
+    pub dot_f16: DotHalf,
+    pub dot_bf16: DotHalf,
+}
+
+pub(crate) static SCALAR: Kernels = Kernels {
+    name: "scalar",
+    dot_quant: scalar::dot_quant,
+    dot_f16: scalar::dot_f16,
+    dot_bf16: scalar::dot_bf16,
+};
+
+/// Every kernel set this CPU can run, the scalar reference first.
+pub(crate) fn available() -> Vec<&'static Kernels> {
+    let mut sets = vec![&SCALAR];
+    #[cfg(target_arch = "x86_64")]
+    if avx2::supported() {
+        sets.push(&avx2::KERNELS);
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        sets.push(&neon::KERNELS);
+        if neon::dotprod_supported() {
+            sets.push(&neon::KERNELS_DOTPROD);
+        }
+    }
+    sets
+}
+
+/// The fastest kernel set this CPU can run (detected once).
+pub(crate) fn best() -> &'static Kernels {
+    static BEST: OnceLock<&'static Kernels> = OnceLock::new();
+    BEST.get_or_init(|| *available().last().expect("the scalar set is always there"))
+}

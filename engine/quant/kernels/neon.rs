@@ -90,3 +90,197 @@ fn store16(codes: int8x16_t, s: float32x4_t, o: &mut [f32; 16]) {
         unsafe { vst1q_f32(o.as_mut_ptr(), vmulq_f32(vcvtq_f32_s32(q), s)) };
     }
 }
+
+// ---- dot products (ARMv8.0 NEON; `dotprod` where the CPU reports it) ----
+
+use std::arch::asm;
+
+use super::{scalar as reference, Kernels, BLOCK};
+
+/// Whether this CPU runs [`KERNELS_DOTPROD`] (`sdot`, ARMv8.2+; a Cortex-A72 has none).
+pub(crate) fn dotprod_supported() -> bool {
+    std::arch::is_aarch64_feature_detected!("dotprod")
+}
+
+pub(crate) static KERNELS: Kernels = Kernels {
+    name: "neon",
+    // SAFETY (all): NEON is part of the aarch64 baseline.
+    dot_quant: |row, bits, cols, codes, scales| unsafe {
+        dot_quant(row, bits, cols, codes, scales)
+    },
+    dot_f16: |row, x| unsafe { dot_f16(row, x) },
+    dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+};
+
+pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
+    name: "neon-dotprod",
+    // SAFETY: this set is only chosen when `dotprod_supported()` said yes.
+    dot_quant: |row, bits, cols, codes, scales| unsafe {
+        dot_quant_sdot(row, bits, cols, codes, scales)
+    },
+    dot_f16: |row, x| unsafe { dot_f16(row, x) },
+    dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+};
+
+#[target_feature(enable = "neon")]
+fn load_s8(bytes: &[u8]) -> int8x16_t {
+    assert!(bytes.len() >= 16);
+    // SAFETY: 16 readable bytes (checked).
+    unsafe { vld1q_s8(bytes.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "neon")]
+fn load_s8x8(bytes: &[u8]) -> int8x8_t {
+    assert!(bytes.len() >= 8);
+    // SAFETY: 8 readable bytes (checked).
+    unsafe { vld1_s8(bytes.as_ptr().cast()) }
+}
+
+/// A block's 32 weight codes as two vectors, in [`super::block_order`].
+#[target_feature(enable = "neon")]
+fn unpack_block(w: &[u8], bits: QuantBits) -> (int8x16_t, int8x16_t) {
+    match bits {
+        QuantBits::Int8 => (load_s8(w), load_s8(&w[16..])),
+        QuantBits::Int4 => {
+            let v = load_s8(w);
+            (vshrq_n_s8::<4>(vshlq_n_s8::<4>(v)), vshrq_n_s8::<4>(v))
+        }
+        QuantBits::Int2 => {
+            let v = load_s8x8(w);
+            let f0 = vshr_n_s8::<6>(vshl_n_s8::<6>(v));
+            let f1 = vshr_n_s8::<6>(vshl_n_s8::<4>(v));
+            let f2 = vshr_n_s8::<6>(vshl_n_s8::<2>(v));
+            let f3 = vshr_n_s8::<6>(v);
+            (vcombine_s8(f0, f1), vcombine_s8(f2, f3))
+        }
+    }
+}
+
+/// ARMv8.0: widening multiplies (`|w| ≤ 128`, `|x| ≤ 127`: an i16 holds a sum of two
+/// products) and pairwise accumulation into i32.
+#[target_feature(enable = "neon")]
+fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
+    let full = cols / BLOCK;
+    let block_bytes = BLOCK * bits.bits() as usize / 8;
+    // SAFETY: i8 and u8 have the same layout.
+    let xb: &[u8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), codes.len()) };
+    let mut acc = vdupq_n_f32(0.0);
+    for (b, (w, &d)) in row
+        .chunks_exact(block_bytes)
+        .zip(scales)
+        .take(full)
+        .enumerate()
+    {
+        let (w0, w1) = unpack_block(w, bits);
+        let (x0, x1) = (load_s8(&xb[b * BLOCK..]), load_s8(&xb[b * BLOCK + 16..]));
+        let p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), w0, x0);
+        let p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)), w1, x1);
+        let sums = vpadalq_s16(vpaddlq_s16(p0), p1);
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), d);
+    }
+    let mut sum = vaddvq_f32(acc);
+    if full * BLOCK < cols {
+        sum += scales[full] * reference::block_sum(row, bits, cols, full, codes) as f32;
+    }
+    sum
+}
+
+/// `acc + Σ a[4i..4i+4] · b[4i..4i+4]` per lane (`sdot`).
+#[target_feature(enable = "neon,dotprod")]
+fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: `sdot` only reads and writes these registers; the CPU has `dotprod` (the caller's
+    // target feature).
+    unsafe {
+        asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack)
+        )
+    };
+    acc
+}
+
+#[target_feature(enable = "neon,dotprod")]
+fn dot_quant_sdot(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
+    let full = cols / BLOCK;
+    let block_bytes = BLOCK * bits.bits() as usize / 8;
+    // SAFETY: i8 and u8 have the same layout.
+    let xb: &[u8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), codes.len()) };
+    let mut acc = vdupq_n_f32(0.0);
+    for (b, (w, &d)) in row
+        .chunks_exact(block_bytes)
+        .zip(scales)
+        .take(full)
+        .enumerate()
+    {
+        let (w0, w1) = unpack_block(w, bits);
+        let (x0, x1) = (load_s8(&xb[b * BLOCK..]), load_s8(&xb[b * BLOCK + 16..]));
+        let sums = sdot(sdot(vdupq_n_s32(0), w0, x0), w1, x1);
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), d);
+    }
+    let mut sum = vaddvq_f32(acc);
+    if full * BLOCK < cols {
+        sum += scales[full] * reference::block_sum(row, bits, cols, full, codes) as f32;
+    }
+    sum
+}
+
+/// Four f16 values widened to f32 (`fcvtl`, ARMv8.0; the intrinsic needs the unstable `f16`).
+#[target_feature(enable = "neon")]
+fn f16x4_to_f32(h: uint16x4_t) -> float32x4_t {
+    let out: float32x4_t;
+    // SAFETY: a register-to-register conversion.
+    unsafe {
+        asm!(
+            "fcvtl {out:v}.4s, {h:v}.4h",
+            out = lateout(vreg) out,
+            h = in(vreg) h,
+            options(pure, nomem, nostack)
+        )
+    };
+    out
+}
+
+#[target_feature(enable = "neon")]
+fn bf16x4_to_f32(h: uint16x4_t) -> float32x4_t {
+    vreinterpretq_f32_u32(vshll_n_u16::<16>(h))
+}
+
+#[target_feature(enable = "neon")]
+fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(uint16x4_t) -> float32x4_t) -> f32 {
+    let steps = x.len() / 16;
+    let mut acc = [vdupq_n_f32(0.0); 4];
+    for s in 0..steps {
+        let w = &row[s * 32..s * 32 + 32];
+        let xs = &x[s * 16..s * 16 + 16];
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: 8 bytes and 4 floats readable (slices of 32 bytes and 16 floats).
+            let (h, v) = unsafe {
+                (
+                    vld1_u16(w[j * 8..j * 8 + 8].as_ptr().cast()),
+                    vld1q_f32(xs[j * 4..j * 4 + 4].as_ptr()),
+                )
+            };
+            *a = vfmaq_f32(*a, widen(h), v);
+        }
+    }
+    vaddvq_f32(vaddq_f32(
+        vaddq_f32(acc[0], acc[1]),
+        vaddq_f32(acc[2], acc[3]),
+    ))
+}
+
+#[target_feature(enable = "neon")]
+fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    let head = x.len() / 16 * 16;
+    dot_half(row, x, |h| f16x4_to_f32(h)) + reference::dot_f16(&row[head * 2..], &x[head..])
+}
+
+#[target_feature(enable = "neon")]
+fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+    let head = x.len() / 16 * 16;
+    dot_half(row, x, |h| bf16x4_to_f32(h)) + reference::dot_bf16(&row[head * 2..], &x[head..])
+}

@@ -1,6 +1,8 @@
-//! The scalar reference kernel: every other kernel must match it bit for bit, and it is their
-//! tail for the part of a row that does not fill a SIMD step.
+//! The scalar reference kernels: dequantization (every other kernel matches it bit for bit) and
+//! dot products (others match its integer block sums exactly, its float sums within rounding).
+//! They are also the SIMD kernels' tails, for the part of a row that does not fill a step.
 
+use super::{block_order, BLOCK};
 use crate::quant::QuantBits;
 
 /// Runs `row_kernel(codes, scale, bits, out_row)` on every row of a checked matrix.
@@ -64,4 +66,92 @@ pub(crate) fn scalar_row(src: &[u8], scale: f32, bits: QuantBits, dst: &mut [f32
 #[inline(always)]
 pub(crate) fn out_blocks<const N: usize>(out: &mut [f32]) -> &mut [[[f32; 16]; N]] {
     out.as_chunks_mut::<16>().0.as_chunks_mut::<N>().0
+}
+
+/// Code of element `e` of a packed integer row.
+#[inline(always)]
+pub(crate) fn element(row: &[u8], bits: QuantBits, e: usize) -> i8 {
+    match bits {
+        QuantBits::Int8 => row[e] as i8,
+        QuantBits::Int4 => code::<4>(row[e / 2], e % 2),
+        QuantBits::Int2 => code::<2>(row[e / 4], e % 4),
+    }
+}
+
+/// Rounds an activation row to INT8 blocks of [`BLOCK`] values: `scales[b] = max|x| / 127`,
+/// codes `round(x / scale)` placed in [`block_order`] for `bits` (padding codes stay zero).
+pub(crate) fn quantize_activations(
+    x: &[f32],
+    bits: QuantBits,
+    codes: &mut [i8],
+    scales: &mut [f32],
+) {
+    for ((values, block), scale) in x
+        .chunks(BLOCK)
+        .zip(codes.chunks_exact_mut(BLOCK))
+        .zip(scales.iter_mut())
+    {
+        let d = values.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+        let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+        *scale = d;
+        for (i, &v) in values.iter().enumerate() {
+            block[block_order(bits, i)] = (v * inverse).round() as i8;
+        }
+    }
+}
+
+/// The integer sum of block `b` of a packed row of `cols` values with its activation codes.
+#[inline]
+pub(crate) fn block_sum(row: &[u8], bits: QuantBits, cols: usize, b: usize, codes: &[i8]) -> i32 {
+    let first = b * BLOCK;
+    (0..BLOCK.min(cols - first))
+        .map(|i| {
+            i32::from(element(row, bits, first + i))
+                * i32::from(codes[first + block_order(bits, i)])
+        })
+        .sum()
+}
+
+/// The reference [`super::DotQuant`].
+pub(crate) fn dot_quant(
+    row: &[u8],
+    bits: QuantBits,
+    cols: usize,
+    codes: &[i8],
+    scales: &[f32],
+) -> f32 {
+    (0..cols.div_ceil(BLOCK)).fold(0f32, |sum, b| {
+        sum + scales[b] * block_sum(row, bits, cols, b, codes) as f32
+    })
+}
+
+/// The reference [`super::DotHalf`] for f16 rows.
+pub(crate) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    row.as_chunks::<2>()
+        .0
+        .iter()
+        .zip(x)
+        .fold(0f32, |s, (b, &x)| {
+            s + half::f16::from_le_bytes(*b).to_f32() * x
+        })
+}
+
+/// The reference [`super::DotHalf`] for bf16 rows.
+pub(crate) fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+    row.as_chunks::<2>()
+        .0
+        .iter()
+        .zip(x)
+        .fold(0f32, |s, (b, &x)| {
+            s + half::bf16::from_le_bytes(*b).to_f32() * x
+        })
+}
+
+/// `Σ w[i] · x[i]` over a little-endian f32 row (rarely used: f32 weights take libtorch's GEMM).
+pub(crate) fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+    row.as_chunks::<4>()
+        .0
+        .iter()
+        .zip(x)
+        .fold(0f32, |s, (b, &x)| s + f32::from_le_bytes(*b) * x)
 }

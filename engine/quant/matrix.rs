@@ -1,0 +1,592 @@
+//! Matrices computed on in their stored encoding: `x · wᵀ` for a weight matrix held as f32,
+//! f16, bf16 or channel-wise INT8/INT4/INT2 (the layouts of [`super`]), without expanding it.
+//!
+//! Two paths, chosen by the number of activation rows `n`:
+//! - **GEMV** (`n` < [`GEMM_MIN_ROWS`]: decode steps, beams): each weight row is read once and
+//!   dotted with every activation row in registers. Float formats take f32 activations and
+//!   accumulate with FMA. Integer formats quantize each activation row to INT8 in blocks of 32
+//!   (one f32 scale per block, as llama.cpp's Q8_0) and take integer dot products per block:
+//!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
+//! - **GEMM** (prefill, the encoder): tiles of [`TILE_ROWS`] weight rows are dequantized into a
+//!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place).
+//!
+//! Work is split by weight rows over the compute threads ([`set_compute_threads`]); the GEMM path
+//! uses libtorch's threads.
+//!
+//! Kernels ([`super::kernels`]) are a scalar reference and AVX2+FMA (x86_64, detected at run
+//! time) or NEON (aarch64, ARMv8.0; `dotprod` when the CPU reports it). Integer kernels agree
+//! with the reference exactly on every block's integer sum; their float sums may be added in
+//! another order (pinned tolerance in the tests).
+
+use std::sync::OnceLock;
+
+use tch::{Device, Kind, Tensor};
+
+use super::kernels::{self, scalar, Kernels, BLOCK};
+use super::{dequantize_into, QuantBits};
+use crate::error::{Error, Result};
+
+/// Activation rows from which the GEMM path (tile dequantization + libtorch GEMM) is taken.
+/// Below it, the GEMV kernels (measured in BENCHMARKS.md §9).
+pub const GEMM_MIN_ROWS: usize = 8;
+/// Weight rows dequantized per GEMM tile.
+pub const TILE_ROWS: usize = 128;
+/// Weight rows per parallel GEMV task.
+const ROWS_PER_TASK: usize = 64;
+/// Matrices smaller than this (weights) are not split across threads.
+const PARALLEL_MIN_WEIGHTS: usize = 1 << 18;
+
+/// How a weight matrix is stored (row-major `[rows, cols]`, one row per output channel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MatrixFormat {
+    F32,
+    F16,
+    Bf16,
+    /// Channel-wise integer codes with one f32 scale per row.
+    Quant(QuantBits),
+}
+
+impl MatrixFormat {
+    /// Bytes of one stored row of `cols` values.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            MatrixFormat::F32 => cols * 4,
+            MatrixFormat::F16 | MatrixFormat::Bf16 => cols * 2,
+            MatrixFormat::Quant(bits) => bits.row_bytes(cols),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MatrixFormat::F32 => "f32",
+            MatrixFormat::F16 => "f16",
+            MatrixFormat::Bf16 => "bf16",
+            MatrixFormat::Quant(bits) => bits.name(),
+        }
+    }
+}
+
+/// A stored matrix borrowed from wherever it lives (an expert slot, resident memory).
+#[derive(Clone, Copy, Debug)]
+pub struct MatrixRef<'a> {
+    format: MatrixFormat,
+    rows: usize,
+    cols: usize,
+    data: &'a [u8],
+    /// One per row for [`MatrixFormat::Quant`], empty otherwise.
+    scales: &'a [f32],
+}
+
+impl<'a> MatrixRef<'a> {
+    /// Checks that `data` and `scales` hold a `[rows, cols]` matrix of `format`.
+    pub fn new(
+        format: MatrixFormat,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+        scales: &'a [f32],
+    ) -> Result<Self> {
+        let bytes = rows.checked_mul(format.row_bytes(cols));
+        let want_scales = if matches!(format, MatrixFormat::Quant(_)) {
+            rows
+        } else {
+            0
+        };
+        if bytes != Some(data.len()) || scales.len() != want_scales {
+            return Err(Error::Internal(format!(
+                "a [{rows}, {cols}] {} matrix given {} bytes and {} scales",
+                format.name(),
+                data.len(),
+                scales.len()
+            )));
+        }
+        Ok(MatrixRef {
+            format,
+            rows,
+            cols,
+            data,
+            scales,
+        })
+    }
+
+    pub fn format(&self) -> MatrixFormat {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Stored bytes (codes and scales).
+    pub fn stored_bytes(&self) -> usize {
+        self.data.len() + self.scales.len() * 4
+    }
+
+    fn row(&self, r: usize) -> &'a [u8] {
+        let n = self.format.row_bytes(self.cols);
+        &self.data[r * n..(r + 1) * n]
+    }
+
+    /// Rows `start..end` as f32 into `out` (`(end - start) × cols` values).
+    pub fn dequantize_rows(&self, start: usize, end: usize, out: &mut [f32]) -> Result<()> {
+        if start > end || end > self.rows || out.len() != (end - start) * self.cols {
+            return Err(Error::Internal(format!(
+                "rows {start}..{end} of a [{}, {}] matrix into {} values",
+                self.rows,
+                self.cols,
+                out.len()
+            )));
+        }
+        let n = self.format.row_bytes(self.cols);
+        let data = &self.data[start * n..end * n];
+        match self.format {
+            MatrixFormat::Quant(bits) => dequantize_into(
+                data,
+                &self.scales[start..end],
+                end - start,
+                self.cols,
+                bits,
+                out,
+            )?,
+            MatrixFormat::F32 => {
+                for (o, b) in out.iter_mut().zip(data.as_chunks::<4>().0) {
+                    *o = f32::from_le_bytes(*b);
+                }
+            }
+            MatrixFormat::F16 => {
+                for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
+                    *o = half::f16::from_le_bytes(*b).to_f32();
+                }
+            }
+            MatrixFormat::Bf16 => {
+                for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
+                    *o = half::bf16::from_le_bytes(*b).to_f32();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole matrix as an f32 tensor `[rows, cols]` (on the CPU).
+    pub fn to_tensor(&self) -> Result<Tensor> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        self.dequantize_rows(0, self.rows, &mut out)?;
+        Ok(Tensor::f_from_slice(&out)?.f_view([self.rows as i64, self.cols as i64])?)
+    }
+}
+
+/// A matrix that owns its stored bytes (resident weights, requantized experts).
+#[derive(Debug)]
+pub struct PackedMatrix {
+    format: MatrixFormat,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+impl PackedMatrix {
+    pub fn new(
+        format: MatrixFormat,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+        scales: Vec<f32>,
+    ) -> Result<Self> {
+        MatrixRef::new(format, rows, cols, &data, &scales)?;
+        Ok(PackedMatrix {
+            format,
+            rows,
+            cols,
+            data,
+            scales,
+        })
+    }
+
+    /// Encodes row-major f32 `weights` `[rows, cols]` in `format` (round to nearest even for
+    /// f16/bf16, channel-wise quantization for integers).
+    pub fn encode(weights: &[f32], rows: usize, cols: usize, format: MatrixFormat) -> Result<Self> {
+        let (data, scales) = match format {
+            MatrixFormat::Quant(bits) => super::quantize(weights, rows, cols, bits)?,
+            MatrixFormat::F32 => (
+                weights.iter().flat_map(|w| w.to_le_bytes()).collect(),
+                vec![],
+            ),
+            MatrixFormat::F16 => (
+                weights
+                    .iter()
+                    .flat_map(|&w| half::f16::from_f32(w).to_le_bytes())
+                    .collect(),
+                vec![],
+            ),
+            MatrixFormat::Bf16 => (
+                weights
+                    .iter()
+                    .flat_map(|&w| half::bf16::from_f32(w).to_le_bytes())
+                    .collect(),
+                vec![],
+            ),
+        };
+        Self::new(format, rows, cols, data, scales)
+    }
+
+    pub fn view(&self) -> MatrixRef<'_> {
+        MatrixRef {
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data,
+            scales: &self.scales,
+        }
+    }
+}
+
+static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+
+/// Sets the number of threads the GEMV kernels split rows over (once per process; later calls
+/// are ignored). Without a call, kernels run on the calling thread only. Pass the compute
+/// threads, which leave a core to the prefetch thread.
+pub fn set_compute_threads(threads: usize) {
+    POOL.get_or_init(|| {
+        (threads > 1)
+            .then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("edgemoe-compute-{i}"))
+                    .build()
+                    .ok()
+            })
+            .flatten()
+    });
+}
+
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    POOL.get().and_then(Option::as_ref)
+}
+
+/// Activation rows prepared for one weight format: f32 as given, or INT8 blocks for integer
+/// weights (codes in the order the kernels decode weights, see [`kernels::block_order`]).
+pub(crate) enum Activations<'x> {
+    Float(&'x [f32]),
+    Int8 { codes: Vec<i8>, scales: Vec<f32> },
+}
+
+impl Activations<'_> {
+    fn prepare(x: &[f32], n: usize, cols: usize, format: MatrixFormat) -> Activations<'_> {
+        match format {
+            MatrixFormat::Quant(bits) => {
+                let blocks = cols.div_ceil(BLOCK);
+                let mut codes = vec![0i8; n * blocks * BLOCK];
+                let mut scales = vec![0f32; n * blocks];
+                for ((row, c), s) in x
+                    .chunks_exact(cols)
+                    .zip(codes.chunks_exact_mut(blocks * BLOCK))
+                    .zip(scales.chunks_exact_mut(blocks))
+                {
+                    scalar::quantize_activations(row, bits, c, s);
+                }
+                Activations::Int8 { codes, scales }
+            }
+            _ => Activations::Float(x),
+        }
+    }
+}
+
+/// `out[i, r] = Σ_c x[i, c] · w[r, c]`: `x` is `[n, cols]` row-major, `out` `[n, rows]`.
+pub fn matmul(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
+    if x.len() != n * cols || out.len() != n * rows {
+        return Err(Error::Internal(format!(
+            "matmul: x of {} values for [{n}, {cols}], out of {} for [{n}, {rows}]",
+            x.len(),
+            out.len()
+        )));
+    }
+    if n == 0 || rows == 0 {
+        return Ok(());
+    }
+    if cols == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    if n >= GEMM_MIN_ROWS || w.format == MatrixFormat::F32 {
+        return gemm(x, n, w, out);
+    }
+    gemv(x, n, w, out, kernels::best())
+}
+
+/// The GEMV path with the given kernels (tests compare kernel sets).
+pub(crate) fn gemv(
+    x: &[f32],
+    n: usize,
+    w: MatrixRef<'_>,
+    out: &mut [f32],
+    k: &'static Kernels,
+) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
+    let acts = Activations::prepare(x, n, cols, w.format);
+    // Rows are computed into `[rows, n]` (contiguous per task), then transposed when n > 1.
+    let mut by_row = if n == 1 {
+        Vec::new()
+    } else {
+        vec![0f32; rows * n]
+    };
+    let target: &mut [f32] = if n == 1 { out } else { &mut by_row };
+    let task = |first_row: usize, dst: &mut [f32]| {
+        for (i, y) in dst.chunks_exact_mut(n).enumerate() {
+            let r = first_row + i;
+            row_dots(k, &w, r, &acts, cols, y);
+        }
+    };
+    match pool() {
+        Some(pool) if rows * cols >= PARALLEL_MIN_WEIGHTS => pool.install(|| {
+            use rayon::prelude::*;
+            target
+                .par_chunks_mut(ROWS_PER_TASK * n)
+                .enumerate()
+                .for_each(|(t, dst)| task(t * ROWS_PER_TASK, dst));
+        }),
+        _ => task(0, target),
+    }
+    if n > 1 {
+        for (r, ys) in by_row.chunks_exact(n).enumerate() {
+            for (i, &y) in ys.iter().enumerate() {
+                out[i * rows + r] = y;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Row `r` of `w` dotted with each of the `y.len()` activation rows.
+#[inline]
+fn row_dots(
+    k: &Kernels,
+    w: &MatrixRef<'_>,
+    r: usize,
+    acts: &Activations<'_>,
+    cols: usize,
+    y: &mut [f32],
+) {
+    let row = w.row(r);
+    match (w.format, acts) {
+        (MatrixFormat::Quant(bits), Activations::Int8 { codes, scales }) => {
+            let blocks = cols.div_ceil(BLOCK);
+            let scale = w.scales[r];
+            for (i, y) in y.iter_mut().enumerate() {
+                let xc = &codes[i * blocks * BLOCK..(i + 1) * blocks * BLOCK];
+                let xs = &scales[i * blocks..(i + 1) * blocks];
+                *y = scale * (k.dot_quant)(row, bits, cols, xc, xs);
+            }
+        }
+        (MatrixFormat::F16, Activations::Float(x)) => {
+            for (i, y) in y.iter_mut().enumerate() {
+                *y = (k.dot_f16)(row, &x[i * cols..(i + 1) * cols]);
+            }
+        }
+        (MatrixFormat::Bf16, Activations::Float(x)) => {
+            for (i, y) in y.iter_mut().enumerate() {
+                *y = (k.dot_bf16)(row, &x[i * cols..(i + 1) * cols]);
+            }
+        }
+        (MatrixFormat::F32, Activations::Float(x)) => {
+            for (i, y) in y.iter_mut().enumerate() {
+                *y = scalar::dot_f32(row, &x[i * cols..(i + 1) * cols]);
+            }
+        }
+        _ => unreachable!("activations are prepared for the weight format"),
+    }
+}
+
+/// The GEMM path: libtorch's GEMM on f32 weights in place, or on dequantized row tiles.
+fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
+    // SAFETY: the views below are dropped before this function returns, while `x`, `out` and
+    // `w.data` are borrowed; their lengths were checked against the shapes.
+    let view = |ptr: *const f32, shape: &[i64]| unsafe {
+        Tensor::f_from_blob(ptr.cast(), shape, &[], Kind::Float, Device::Cpu)
+    };
+    let xt = view(x.as_ptr(), &[n as i64, cols as i64])?;
+    let mut ot = view(out.as_mut_ptr(), &[n as i64, rows as i64])?;
+    if w.format == MatrixFormat::F32 && (w.data.as_ptr() as usize).is_multiple_of(4) {
+        let wt = view(w.data.as_ptr().cast(), &[rows as i64, cols as i64])?;
+        let _ = xt.f_mm_out(&mut ot, &wt.f_tr()?)?;
+        return Ok(());
+    }
+    let tile_rows = TILE_ROWS.min(rows);
+    let mut tile = vec![0f32; tile_rows * cols];
+    for start in (0..rows).step_by(tile_rows) {
+        let end = (start + tile_rows).min(rows);
+        let tile = &mut tile[..(end - start) * cols];
+        w.dequantize_rows(start, end, tile)?;
+        let wt = view(tile.as_ptr(), &[(end - start) as i64, cols as i64])?;
+        let product = xt.f_mm(&wt.f_tr()?)?;
+        ot.f_narrow(1, start as i64, (end - start) as i64)?
+            .f_copy_(&product)?;
+    }
+    Ok(())
+}
+
+/// The kernel set this CPU uses: `"avx2"`, `"neon-dotprod"`, `"neon"` or `"scalar"`.
+pub fn matmul_kernel() -> &'static str {
+    kernels::best().name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn uniform(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    const FORMATS: [MatrixFormat; 6] = [
+        MatrixFormat::F32,
+        MatrixFormat::F16,
+        MatrixFormat::Bf16,
+        MatrixFormat::Quant(QuantBits::Int8),
+        MatrixFormat::Quant(QuantBits::Int4),
+        MatrixFormat::Quant(QuantBits::Int2),
+    ];
+
+    /// f64 reference of `x · dq(w)ᵀ`; on the GEMV path, integer formats' activations are
+    /// rounded to INT8 blocks exactly as the kernels do (so only summation order differs).
+    fn reference(x: &[f32], n: usize, w: &MatrixRef<'_>) -> Vec<f64> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut dq = vec![0f32; rows * cols];
+        w.dequantize_rows(0, rows, &mut dq).unwrap();
+        let xs: Vec<f64> = match w.format() {
+            MatrixFormat::Quant(_) if n < GEMM_MIN_ROWS => x
+                .chunks_exact(cols)
+                .flat_map(|row| {
+                    row.chunks(BLOCK)
+                        .flat_map(|b| {
+                            let d = b.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+                            b.iter()
+                                .map(move |v| (v * id).round() as f64 * d as f64)
+                                .collect::<Vec<_>>()
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect(),
+            _ => x.iter().map(|&v| v as f64).collect(),
+        };
+        let mut out = vec![0f64; n * rows];
+        for i in 0..n {
+            for r in 0..rows {
+                out[i * rows + r] = (0..cols)
+                    .map(|c| xs[i * cols + c] * dq[r * cols + c] as f64)
+                    .sum();
+            }
+        }
+        out
+    }
+
+    /// Every kernel set this CPU has, on shapes with partial blocks, gives the reference
+    /// within a pinned error (relative to Σ|terms|): float sums in another order, nothing else.
+    #[test]
+    fn kernels_match_the_reference_on_every_format_and_shape() {
+        let mut rng = Rng(3);
+        for format in FORMATS {
+            for (rows, cols) in [(7, 33), (64, 256), (3, 31), (130, 1000), (1, 1)] {
+                let weights: Vec<f32> = (0..rows * cols).map(|_| rng.uniform() * 0.1).collect();
+                let w = PackedMatrix::encode(&weights, rows, cols, format).unwrap();
+                for n in [1, 3, GEMM_MIN_ROWS + 1] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
+                    let want = reference(&x, n, &w.view());
+                    let bound: Vec<f64> = {
+                        let abs_x: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+                        let abs_w: Vec<f32> = weights.iter().map(|v| v.abs()).collect();
+                        let aw =
+                            PackedMatrix::encode(&abs_w, rows, cols, MatrixFormat::F32).unwrap();
+                        reference(&abs_x, n, &aw.view())
+                    };
+                    let mut runs: Vec<(&str, Vec<f32>)> = Vec::new();
+                    let mut got = vec![f32::NAN; n * rows];
+                    matmul(&x, n, w.view(), &mut got).unwrap();
+                    runs.push(("dispatched", got));
+                    if n < GEMM_MIN_ROWS {
+                        for k in kernels::available() {
+                            let mut got = vec![f32::NAN; n * rows];
+                            gemv(&x, n, w.view(), &mut got, k).unwrap();
+                            runs.push((k.name, got));
+                        }
+                    }
+                    for (name, got) in runs {
+                        for j in 0..n * rows {
+                            let tol = 3e-5 * bound[j] + 1e-30;
+                            let err = (got[j] as f64 - want[j]).abs();
+                            assert!(
+                                err <= tol,
+                                "{} {name} [{rows}, {cols}] n={n} #{j}: {} vs {} (err {err:e} > {tol:e})",
+                                format.name(),
+                                got[j],
+                                want[j]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Integer kernels decode the full two's-complement range (codes quantization never
+    /// writes, as a hostile file could hold): every SIMD set gives the scalar's integer sums.
+    #[test]
+    fn integer_kernels_agree_on_random_codes() {
+        let mut rng = Rng(11);
+        for bits in QuantBits::ALL {
+            for cols in [32, 96, 100, 4096] {
+                let rows = 5;
+                let data = rng.bytes(rows * bits.row_bytes(cols));
+                let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
+                let w =
+                    MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales).unwrap();
+                let x: Vec<f32> = (0..cols).map(|_| rng.uniform() * 3.0).collect();
+                let mut want = vec![0f32; rows];
+                gemv(&x, 1, w, &mut want, &kernels::SCALAR).unwrap();
+                for k in kernels::available() {
+                    let mut got = vec![0f32; rows];
+                    gemv(&x, 1, w, &mut got, k).unwrap();
+                    for (g, e) in got.iter().zip(&want) {
+                        assert!(
+                            (g - e).abs() <= 1e-5 * e.abs().max(1.0),
+                            "{} {} cols={cols}: {g} vs {e}",
+                            k.name,
+                            bits.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_are_checked() {
+        assert!(MatrixRef::new(MatrixFormat::F16, 2, 3, &[0; 11], &[]).is_err());
+        assert!(
+            MatrixRef::new(MatrixFormat::Quant(QuantBits::Int4), 2, 3, &[0; 4], &[1.0]).is_err()
+        );
+        let w = PackedMatrix::encode(&[1.0; 6], 2, 3, MatrixFormat::F16).unwrap();
+        let mut out = [0f32; 3];
+        assert!(matmul(&[1.0; 3], 1, w.view(), &mut out).is_err());
+    }
+}
