@@ -19,6 +19,7 @@ fn demo_bundle() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("bundle");
     convert(&ConvertOptions {
+        resident: Default::default(),
         hf_dir: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/switch-samsum-tiny"),
         out_dir: out.clone(),
         tokenizer: None,
@@ -38,7 +39,7 @@ fn kernels(c: &mut Criterion) {
     let first = store.index().experts[0].id;
 
     let mut experts = ResidentExperts::load(&store, &[]).unwrap();
-    let w = experts.expert(first).unwrap();
+    let w = experts.expert(first, None).unwrap();
     let x = Tensor::randn([1, spec.d_model() as i64], (Kind::Float, tch::Device::Cpu));
     c.bench_function("expert FFN, 1 token (demo shape)", |b| {
         b.iter(|| black_box(expert_forward(&x, &w).unwrap()))

@@ -18,6 +18,8 @@ use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::quant::matrix::{MatrixFormat, PackedMatrix};
+use crate::quant::QuantBits;
 
 /// Element type of a stored weight, as the engine names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -244,8 +246,8 @@ impl WeightFiles {
         }
     }
 
-    /// The raw bytes of `name`, checked against `expected_shape`.
-    pub fn get(&self, name: &str, expected_shape: &[usize]) -> Result<TensorBytes<'_>> {
+    /// `name`'s bytes, safetensors dtype and shape, with the file it is in.
+    fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
         let Some((key, &i)) = self.location.get_key_value(name) else {
             return Err(Error::tensor(self.describe(), name, "missing"));
         };
@@ -253,26 +255,32 @@ impl WeightFiles {
         let (data, dtype, shape) = file
             .bytes(name)
             .ok_or_else(|| Error::tensor(&file.path, name, "missing"))?;
-        let dtype = WeightDtype::from_safetensors(dtype).ok_or_else(|| {
-            Error::tensor(
-                &file.path,
-                name,
-                format!("dtype {dtype:?} (expected F32, F16 or BF16)"),
-            )
-        })?;
-        if shape != expected_shape {
-            return Err(Error::tensor(
-                &file.path,
-                name,
-                format!("shape {shape:?}, expected {expected_shape:?}"),
-            ));
-        }
-        Ok(TensorBytes {
+        Ok(RawTensor {
             name: key.as_str(),
             path: &file.path,
             dtype,
             shape,
             data,
+        })
+    }
+
+    /// The raw bytes of `name`, checked against `expected_shape`.
+    pub fn get(&self, name: &str, expected_shape: &[usize]) -> Result<TensorBytes<'_>> {
+        let raw = self.raw(name)?;
+        let dtype = WeightDtype::from_safetensors(raw.dtype).ok_or_else(|| {
+            Error::tensor(
+                raw.path,
+                name,
+                format!("dtype {:?} (expected F32, F16 or BF16)", raw.dtype),
+            )
+        })?;
+        raw.check_shape(expected_shape)?;
+        Ok(TensorBytes {
+            name: raw.name,
+            path: raw.path,
+            dtype,
+            shape: raw.shape,
+            data: raw.data,
         })
     }
 
@@ -315,6 +323,38 @@ impl<'a> TensorLoader<'a> {
         self.take(name, expected_shape)?.to_f32_tensor()
     }
 
+    /// `name` as the engine holds it: a matrix stored as f16, bf16 or INT8 (with its per-row
+    /// scales in `{name}.scales`, see [`int8_scales_name`]) stays in that form; anything else
+    /// (f32, and 1-D f16/bf16 vectors) becomes an owned f32 tensor.
+    pub fn take_stored(&mut self, name: &str, expected_shape: &[usize]) -> Result<Stored> {
+        let raw = self.files.raw(name)?;
+        raw.check_shape(expected_shape)?;
+        let format = match (raw.dtype, raw.shape.len()) {
+            (Dtype::I8, 2) => Some(MatrixFormat::Quant(QuantBits::Int8)),
+            (Dtype::F16, 2) => Some(MatrixFormat::F16),
+            (Dtype::BF16, 2) => Some(MatrixFormat::Bf16),
+            _ => None,
+        };
+        let stored = match format {
+            Some(format) => {
+                let (rows, cols) = (raw.shape[0], raw.shape[1]);
+                let scales = match format {
+                    MatrixFormat::Quant(_) => {
+                        let scales = self.take_f32(&int8_scales_name(name), &[rows])?;
+                        Vec::<f32>::try_from(&scales)?
+                    }
+                    _ => Vec::new(),
+                };
+                let m = PackedMatrix::new(format, rows, cols, raw.data.to_vec(), scales)
+                    .map_err(|e| Error::tensor(raw.path, name, e.to_string()))?;
+                Stored::Matrix(m)
+            }
+            None => Stored::F32(self.files.get(name, expected_shape)?.to_f32_tensor()?),
+        };
+        self.taken.insert(raw.name);
+        Ok(stored)
+    }
+
     /// Fails on the first (by name) tensor not taken.
     fn finish(self) -> Result<()> {
         let mut left: Vec<&str> = self
@@ -334,6 +374,38 @@ impl<'a> TensorLoader<'a> {
                 Err(Error::tensor(&file.path, name, message))
             }
         }
+    }
+}
+
+/// A tensor as [`TensorLoader::take_stored`] gives it.
+pub enum Stored {
+    F32(Tensor),
+    Matrix(PackedMatrix),
+}
+
+/// The tensor holding the per-row scales of INT8 matrix `name` in a resident file.
+pub fn int8_scales_name(name: &str) -> String {
+    format!("{name}.scales")
+}
+
+struct RawTensor<'a> {
+    name: &'a str,
+    path: &'a Path,
+    dtype: Dtype,
+    shape: &'a [usize],
+    data: &'a [u8],
+}
+
+impl RawTensor<'_> {
+    fn check_shape(&self, expected: &[usize]) -> Result<()> {
+        if self.shape != expected {
+            return Err(Error::tensor(
+                self.path,
+                self.name,
+                format!("shape {:?}, expected {expected:?}", self.shape),
+            ));
+        }
+        Ok(())
     }
 }
 

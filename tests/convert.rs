@@ -41,6 +41,7 @@ fn check_refusals(checkpoint: &Path, refusals: &[Refusal]) {
             Edit::Weights(bytes) => std::fs::write(hf.join("model.safetensors"), bytes).unwrap(),
         }
         let error = convert(&ConvertOptions {
+            resident: Default::default(),
             hf_dir: hf.clone(),
             out_dir: out.clone(),
             tokenizer: (!hf.join("tokenizer.json").exists()).then(common::t5_tokenizer),

@@ -70,8 +70,16 @@ fn check_mixed_widths(name: &str, float: WeightDtype) {
     );
     let mut buffer = ExpertBuffer::new(store, &spec, 2);
     for &id in &ids {
-        let weights = buffer.expert(id).unwrap();
+        let weights = buffer.expert(id, None).unwrap();
         for (m, got) in matrices.iter().zip(weights.matrices()) {
+            // Computed on in its stored encoding: never a float copy of a quantized expert.
+            let format = got.stored().expect("a stored matrix").format();
+            assert_eq!(
+                format,
+                edgemoe::runtime::codec::matrix_format(plan.encoding(id).unwrap()),
+                "{name} {id} {m}"
+            );
+            let got = got.to_tensor().unwrap();
             let shape: Vec<usize> = got.size().iter().map(|&d| d as usize).collect();
             let source = source_expert_matrix(&files, &spec, id, m, &shape);
             let expected = match plan.encoding(id).unwrap() {

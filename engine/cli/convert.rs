@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 
 use edgemoe::offline::bit_plan::BitPlan;
-use edgemoe::offline::convert::{convert, ConvertOptions};
+use edgemoe::offline::convert::{convert, ConvertOptions, ResidentWidth};
 use edgemoe::store::ExpertEncoding;
 use edgemoe::units::format_bytes;
 
@@ -29,6 +29,10 @@ pub struct ConvertArgs {
     /// Per-expert widths from a plan (written by `tune-bits`).
     #[arg(long, value_name = "PLAN.json")]
     plan: Option<PathBuf>,
+    /// Width of the resident (non-expert) matrices: f32 (the parity reference), f16, bf16 or
+    /// int8 (channel-wise). Norms and biases stay f32.
+    #[arg(long, value_name = "WIDTH", default_value = "f32")]
+    resident: ResidentWidth,
 }
 
 pub fn run(args: ConvertArgs) -> Result<()> {
@@ -42,15 +46,17 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         out_dir: args.out.clone(),
         tokenizer: args.tokenizer,
         bits,
+        resident: args.resident,
         show_progress: true,
     })?;
     println!(
-        "converted {} → {}: {} experts ({} expert store), resident weights {}",
+        "converted {} → {}: {} experts ({} expert store), resident weights {} ({})",
         args.hf.display(),
         args.out.display(),
         report.experts,
         format_bytes(report.expert_store_bytes),
         format_bytes(report.resident_file_bytes),
+        args.resident.name(),
     );
     Ok(())
 }

@@ -33,7 +33,8 @@ pub fn run(args: InspectArgs) -> Result<()> {
     let resident_bytes = bundle.load_model(tch::Device::Cpu)?.resident_bytes();
     let experts = &store.index().experts;
     println!(
-        "resident      {} in memory (f32), {} on disk ({RESIDENT_FILE})",
+        "resident      {} matrices, {} in memory, {} on disk ({RESIDENT_FILE})",
+        bundle.config.resident_width,
         format_bytes(resident_bytes),
         format_bytes(file_size(RESIDENT_FILE)),
     );

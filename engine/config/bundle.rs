@@ -26,6 +26,14 @@ pub struct BundleConfig {
     pub generation: GenerationDefaults,
     /// dtype of the source checkpoint's weights (`f32`, `f16`, `bf16`).
     pub source_dtype: String,
+    /// Width of the resident (non-expert) matrices: `f32`, `f16`, `bf16` or `int8`
+    /// (`convert --resident`); vectors (norms, biases) are always f32.
+    #[serde(default = "f32_name")]
+    pub resident_width: String,
+}
+
+fn f32_name() -> String {
+    "f32".into()
 }
 
 impl BundleConfig {
@@ -54,6 +62,8 @@ impl BundleConfig {
             architecture: String,
             generation: GenerationDefaults,
             source_dtype: String,
+            #[serde(default = "f32_name")]
+            resident_width: String,
         }
         let invalid =
             |e: serde_json::Error| Error::format(path, format!("invalid bundle config: {e}"));
@@ -86,6 +96,7 @@ impl BundleConfig {
             model,
             generation: header.generation,
             source_dtype: header.source_dtype,
+            resident_width: header.resident_width,
         })
     }
 }

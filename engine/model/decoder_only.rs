@@ -21,14 +21,14 @@
 
 use tch::{Kind, Tensor};
 
-use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, RmsNorm, Rotary};
+use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, Linear, RmsNorm, Rotary, Weight};
 use super::moe::{moe_ffn, LayerRoute, Router, Routing};
 use crate::config::{DecoderFamily, DecoderSpec};
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
 use crate::ids::Stack;
 use crate::model::provider::ExpertProvider;
-use crate::weights::WeightFiles;
+use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
 
@@ -43,7 +43,7 @@ pub fn resident_tensors(spec: &DecoderSpec) -> Vec<(String, Vec<usize>)> {
     let mut tensors = Vec::new();
     DecoderOnlyModel::assemble(spec, &mut |name, shape| {
         tensors.push((name, shape.to_vec()));
-        Ok(Tensor::new())
+        Ok(Weight::Tensor(Tensor::new()))
     })
     .expect("placeholders and the rotary table do not fail");
     tensors
@@ -109,10 +109,10 @@ pub fn fused_expert_names(layer: usize) -> (String, String) {
 
 /// `*Attention` with RoPE, grouped-query heads and the families' options.
 struct Attention {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
     q_bias: Option<Tensor>,
     k_bias: Option<Tensor>,
     v_bias: Option<Tensor>,
@@ -125,17 +125,17 @@ struct Attention {
 
 /// Qwen2-MoE's shared expert and its gate `[1, d]`.
 struct SharedExpert {
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
-    expert_gate: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    expert_gate: Linear,
 }
 
 enum FeedForward {
     Dense {
-        gate: Tensor,
-        up: Tensor,
-        down: Tensor,
+        gate: Linear,
+        up: Linear,
+        down: Linear,
     },
     Sparse {
         router: Router,
@@ -154,9 +154,9 @@ struct Layer {
 pub struct DecoderOnlyModel {
     spec: DecoderSpec,
     /// `[V, d]` token embeddings (and the LM head when tied).
-    embed_tokens: Tensor,
+    embed_tokens: Linear,
     /// `[V, d]` when embeddings are not tied.
-    lm_head: Option<Tensor>,
+    lm_head: Option<Linear>,
     layers: Vec<Layer>,
     norm: RmsNorm,
     rotary: Rotary,
@@ -182,16 +182,19 @@ impl KvCache {
 }
 
 impl DecoderOnlyModel {
-    /// Loads the resident weights (owned f32 copies) from `files` (a bundle's resident file). A
+    /// Loads the resident weights (owned copies, f32 or in their stored matrix form) from `files` (a bundle's resident file). A
     /// tensor of `files` that the model does not use is an error naming it.
     pub fn load(spec: &DecoderSpec, files: &WeightFiles) -> Result<Self> {
         let _guard = tch::no_grad_guard();
         let mut resident_bytes = 0u64;
         let mut model = files.load_all(|loader| {
             Self::assemble(spec, &mut |name, shape| {
-                let t = loader.take_f32(&name, shape)?;
-                resident_bytes += (t.numel() * 4) as u64;
-                Ok(t)
+                let w = match loader.take_stored(&name, shape)? {
+                    Stored::F32(t) => Weight::Tensor(t),
+                    Stored::Matrix(m) => Weight::Packed(m),
+                };
+                resident_bytes += w.stored_bytes();
+                Ok(w)
             })
         })?;
         model.resident_bytes = resident_bytes;
@@ -202,13 +205,15 @@ impl DecoderOnlyModel {
     /// tensor names of the three families are spelled.
     fn assemble(
         spec: &DecoderSpec,
-        get: &mut dyn FnMut(String, &[usize]) -> Result<Tensor>,
+        get: &mut dyn FnMut(String, &[usize]) -> Result<Linear>,
     ) -> Result<Self> {
         let d = spec.hidden_size;
         let (q, kv) = (spec.q_dim(), spec.kv_dim());
-        let norm = |weight: Tensor| RmsNorm {
-            weight,
-            eps: spec.rms_norm_eps,
+        let norm = |weight: Linear| -> Result<RmsNorm> {
+            Ok(RmsNorm {
+                weight: weight.to_tensor()?,
+                eps: spec.rms_norm_eps,
+            })
         };
         let embed_tokens = get("model.embed_tokens.weight".into(), &[spec.vocab_size, d])?;
         let lm_head = if spec.tie_word_embeddings {
@@ -220,13 +225,13 @@ impl DecoderOnlyModel {
         for layer in 0..spec.num_layers {
             let p = layer_prefix(layer);
             let a = format!("{p}.self_attn");
-            let bias = |get: &mut dyn FnMut(String, &[usize]) -> Result<Tensor>,
+            let bias = |get: &mut dyn FnMut(String, &[usize]) -> Result<Linear>,
                         proj: &str,
                         rows: usize,
                         on: bool|
              -> Result<Option<Tensor>> {
                 Ok(if on {
-                    Some(get(format!("{a}.{proj}.bias"), &[rows])?)
+                    Some(get(format!("{a}.{proj}.bias"), &[rows])?.to_tensor()?)
                 } else {
                     None
                 })
@@ -241,12 +246,12 @@ impl DecoderOnlyModel {
                 v_bias: bias(get, "v_proj", kv, spec.qkv_bias)?,
                 o_bias: bias(get, "o_proj", d, spec.o_bias)?,
                 q_norm: if spec.qk_norm {
-                    Some(norm(get(format!("{a}.q_norm.weight"), &[q])?))
+                    Some(norm(get(format!("{a}.q_norm.weight"), &[q])?)?)
                 } else {
                     None
                 },
                 k_norm: if spec.qk_norm {
-                    Some(norm(get(format!("{a}.k_norm.weight"), &[kv])?))
+                    Some(norm(get(format!("{a}.k_norm.weight"), &[kv])?)?)
                 } else {
                     None
                 },
@@ -279,16 +284,16 @@ impl DecoderOnlyModel {
                 }
             };
             layers.push(Layer {
-                input_norm: norm(get(format!("{p}.input_layernorm.weight"), &[d])?),
+                input_norm: norm(get(format!("{p}.input_layernorm.weight"), &[d])?)?,
                 attention,
                 post_attention_norm: norm(get(
                     format!("{p}.post_attention_layernorm.weight"),
                     &[d],
-                )?),
+                )?)?,
                 ff,
             });
         }
-        let final_norm = norm(get("model.norm.weight".into(), &[d])?);
+        let final_norm = norm(get("model.norm.weight".into(), &[d])?)?;
         Ok(DecoderOnlyModel {
             spec: spec.clone(),
             embed_tokens,
@@ -304,7 +309,7 @@ impl DecoderOnlyModel {
         &self.spec
     }
 
-    /// Bytes of the resident (non-expert) weights as held in memory (f32).
+    /// Bytes of the resident (non-expert) weights as held in memory.
     pub fn resident_bytes(&self) -> u64 {
         self.resident_bytes
     }
@@ -340,7 +345,7 @@ impl DecoderOnlyModel {
         let n = ids.len() as i64;
         let past = cache.len;
         let input = Tensor::f_from_slice(ids)?.f_view([1, n])?;
-        let mut h = Tensor::f_embedding(&self.embed_tokens, &input, -1, false, false)?; // [1, n, d]
+        let mut h = self.embed_tokens.embed(&input)?; // [1, n, d]
         let (cos, sin) = self.rotary.cos_sin(past, n)?; // [1, 1, n, hd]
         let routing = Routing::TopK {
             k: self.spec.top_k,
@@ -382,7 +387,7 @@ impl DecoderOnlyModel {
         cache.len += n;
         let last = self.norm.forward(&h.f_select(1, n - 1)?)?; // [1, d]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(last.f_linear::<&Tensor>(head, None)?.f_reshape([vocab])?)
+        Ok(linear(&last, head)?.f_reshape([vocab])?)
     }
 
     /// Self-attention of `x` `[1, n, d]` at positions `past ..`, appending to `kv`.

@@ -5,9 +5,10 @@
 //! grouped-query attention. Each op mirrors the PyTorch line it ports so that results match to
 //! float rounding.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::quant::matrix::{matmul, MatrixRef, PackedMatrix};
 
 /// `SwitchTransformersLayerNorm`: RMS norm, no mean subtraction, no bias.
 pub struct RmsNorm {
@@ -28,27 +29,154 @@ impl RmsNorm {
     }
 }
 
+/// A weight matrix `[rows, cols]` (one row per output channel) as the model holds it.
+pub enum Weight<'a> {
+    /// An f32 tensor (or any tensor on a GPU): libtorch's matmul, the parity reference.
+    Tensor(Tensor),
+    /// A stored matrix borrowed from where it lives (an expert slot), computed on in its
+    /// encoding by [`crate::quant::matrix`].
+    Stored(MatrixRef<'a>),
+    /// A stored matrix the model owns (resident weights at f16, bf16 or INT8).
+    Packed(PackedMatrix),
+}
+
+/// A resident weight matrix.
+pub type Linear = Weight<'static>;
+
+impl Weight<'_> {
+    /// The stored matrix, when there is one.
+    pub fn stored(&self) -> Option<MatrixRef<'_>> {
+        match self {
+            Weight::Tensor(_) => None,
+            Weight::Stored(m) => Some(*m),
+            Weight::Packed(p) => Some(p.view()),
+        }
+    }
+
+    /// Bytes held in memory for this matrix.
+    pub fn stored_bytes(&self) -> u64 {
+        match (self, self.stored()) {
+            (_, Some(m)) => m.stored_bytes() as u64,
+            (Weight::Tensor(t), None) => (t.numel() * t.kind().elt_size_in_bytes()) as u64,
+            _ => unreachable!("every non-tensor weight has a stored matrix"),
+        }
+    }
+
+    /// The weights as an f32 tensor (a copy for stored matrices).
+    pub fn to_tensor(&self) -> Result<Tensor> {
+        match (self, self.stored()) {
+            (Weight::Tensor(t), _) => Ok(t.shallow_clone()),
+            (_, Some(m)) => m.to_tensor(),
+            _ => unreachable!("every non-tensor weight has a stored matrix"),
+        }
+    }
+
+    /// `[rows, cols]`.
+    pub fn size(&self) -> Vec<i64> {
+        match (self, self.stored()) {
+            (Weight::Tensor(t), _) => t.size(),
+            (_, Some(m)) => vec![m.rows() as i64, m.cols() as i64],
+            _ => unreachable!("every non-tensor weight has a stored matrix"),
+        }
+    }
+
+    /// Rows `ids` (any shape) as f32: `[..ids, cols]` (`nn.Embedding`).
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let Some(m) = self.stored() else {
+            let Weight::Tensor(t) = self else {
+                unreachable!("every non-tensor weight has a stored matrix")
+            };
+            return Ok(Tensor::f_embedding(t, ids, -1, false, false)?);
+        };
+        let rows: Vec<i64> = Vec::try_from(&ids.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
+        let cols = m.cols();
+        let mut out = vec![0f32; rows.len() * cols];
+        for (&r, dst) in rows.iter().zip(out.chunks_exact_mut(cols.max(1))) {
+            let r = usize::try_from(r)
+                .ok()
+                .filter(|&r| r < m.rows())
+                .ok_or_else(|| Error::Input(format!("row {r} outside an embedding of {}", m.rows())))?;
+            m.dequantize_rows(r, r + 1, dst)?;
+        }
+        let mut shape = ids.size();
+        shape.push(cols as i64);
+        Ok(Tensor::f_from_slice(&out)?.f_view(shape.as_slice())?)
+    }
+
+    /// The same weights for `device`: stored matrices stay as they are on the CPU and are
+    /// expanded to f32 tensors elsewhere.
+    pub fn to_device(self, device: Device) -> Result<Self> {
+        Ok(match self {
+            Weight::Tensor(t) if t.device() == device => Weight::Tensor(t),
+            Weight::Tensor(t) => Weight::Tensor(t.f_to_device(device)?),
+            other if device == Device::Cpu => other,
+            other => Weight::Tensor(other.to_tensor()?.f_to_device(device)?),
+        })
+    }
+}
+
 /// `nn.Linear(..., bias=False)`: `x · wᵀ`.
-pub fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    Ok(x.f_linear::<&Tensor>(weight, None)?)
+pub fn linear(x: &Tensor, weight: &Weight<'_>) -> Result<Tensor> {
+    linear_bias(x, weight, None)
+}
+
+/// `nn.Linear` with an optional bias.
+pub fn linear_bias(x: &Tensor, weight: &Weight<'_>, bias: Option<&Tensor>) -> Result<Tensor> {
+    match (weight, weight.stored()) {
+        (Weight::Tensor(w), _) => Ok(x.f_linear(w, bias)?),
+        (_, Some(m)) => {
+            let y = stored_linear(x, m)?;
+            Ok(match bias {
+                Some(b) => y.f_add(b)?,
+                None => y,
+            })
+        }
+        _ => unreachable!("every non-tensor weight has a stored matrix"),
+    }
+}
+
+/// `x` `[.., cols]` · `mᵀ` → `[.., rows]` by the quantized kernels (x as f32 on the CPU).
+fn stored_linear(x: &Tensor, m: MatrixRef<'_>) -> Result<Tensor> {
+    let mut shape = x.size();
+    let cols = m.cols() as i64;
+    if shape.last() != Some(&cols) {
+        return Err(Error::Internal(format!(
+            "linear: input {shape:?} for a [{}, {cols}] matrix",
+            m.rows()
+        )));
+    }
+    let x = x.f_to_kind(Kind::Float)?.f_contiguous()?;
+    let n = (x.numel() as i64 / cols.max(1)) as usize;
+    *shape.last_mut().expect("checked above") = m.rows() as i64;
+    let out = Tensor::f_empty(shape.as_slice(), (Kind::Float, Device::Cpu))?;
+    // SAFETY: both tensors are contiguous f32 CPU tensors of the lengths given, alive for the
+    // whole call; `out` is fresh, so nothing else reads it while it is written.
+    let (xs, ys) = unsafe {
+        (
+            std::slice::from_raw_parts(x.data_ptr() as *const f32, n * m.cols()),
+            std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, n * m.rows()),
+        )
+    };
+    matmul(xs, n, m, ys)?;
+    Ok(out)
 }
 
 /// `SwitchTransformersDenseActDense` with ReLU: `relu(x · wiᵀ) · woᵀ`.
-pub fn dense_act_dense(x: &Tensor, wi: &Tensor, wo: &Tensor) -> Result<Tensor> {
+pub fn dense_act_dense(x: &Tensor, wi: &Weight<'_>, wo: &Weight<'_>) -> Result<Tensor> {
     linear(&linear(x, wi)?.f_relu()?, wo)
 }
 
 /// SwiGLU MLP (`MixtralExperts`, `Qwen2MoeMLP`, `OlmoeExperts` for one expert):
 /// `down(silu(gate(x)) * up(x))`, with `gate`/`up` `[d_ff, d]` and `down` `[d, d_ff]`.
-pub fn gated_mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
+pub fn gated_mlp(
+    x: &Tensor,
+    gate: &Weight<'_>,
+    up: &Weight<'_>,
+    down: &Weight<'_>,
+) -> Result<Tensor> {
     // current_hidden_states = self.act_fn(gate) * up
     let hidden = linear(x, gate)?.f_silu()?.f_mul(&linear(x, up)?)?;
     linear(&hidden, down)
-}
-
-/// `nn.Linear` with an optional bias.
-pub fn linear_bias(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    Ok(x.f_linear(weight, bias)?)
 }
 
 /// Default rotary position embedding (`*RotaryEmbedding` with `rope_type` `default`): the
@@ -149,11 +277,11 @@ pub fn relative_position_bucket(
 /// Multi-head attention of T5/Switch: no 1/√d scaling, an additive position bias.
 pub struct Attention {
     /// `[inner, d_model]` each
-    pub q: Tensor,
-    pub k: Tensor,
-    pub v: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
     /// `[d_model, inner]`
-    pub o: Tensor,
+    pub o: Linear,
     /// `[num_buckets, num_heads]` on the first block of a stack only.
     pub relative_attention_bias: Option<Tensor>,
     pub num_heads: i64,
@@ -162,7 +290,7 @@ pub struct Attention {
 
 impl Attention {
     /// `[b, n, d_model]` → `[b, heads, n, d_kv]`
-    pub fn project(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    pub fn project(&self, x: &Tensor, weight: &Linear) -> Result<Tensor> {
         let (b, n) = (x.size()[0], x.size()[1]);
         Ok(linear(x, weight)?
             .f_view([b, n, self.num_heads, self.d_kv])?

@@ -16,7 +16,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::layers::{dense_act_dense, gated_mlp};
+use super::layers::{dense_act_dense, gated_mlp, linear_bias, Linear};
 use crate::error::Result;
 use crate::ids::ExpertId;
 use crate::ids::Stack;
@@ -24,7 +24,7 @@ use crate::model::provider::{ExpertProvider, ExpertWeights};
 
 /// A block's router: `[num_experts, d_model]` (+ optional bias).
 pub struct Router {
-    pub weight: Tensor,
+    pub weight: Linear,
     pub bias: Option<Tensor>,
 }
 
@@ -96,7 +96,7 @@ pub fn moe_ffn(
     let tokens = x.f_reshape([b * n, d])?; // [t, d]
     let t_count = (b * n) as usize;
     // router_logits = linear(hidden_states, weight); softmax in float32
-    let logits = tokens.f_linear(&router.weight, router.bias.as_ref())?; // [t, E]
+    let logits = linear_bias(&tokens, &router.weight, router.bias.as_ref())?; // [t, E]
     let probs = logits.f_softmax(-1, Kind::Float)?;
     let k = routing.k();
     let (chosen, weights) = match routing {
@@ -163,12 +163,12 @@ pub fn moe_ffn(
     for (i, &expert) in used.iter().enumerate() {
         let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
         let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
-                                                        // Experts are decoded on the host; on a GPU they are moved for the matmuls.
-        let w = provider.expert(expert_id(expert))?.to_device(x.device())?;
-        // The next expert's read overlaps this one's compute.
-        if let Some(&next) = used.get(i + 1) {
-            provider.will_use(expert_id(next))?;
-        }
+        // The next expert's read overlaps this one's compute. Experts are computed on in their
+        // stored encoding on the CPU; on a GPU they are expanded for the matmuls.
+        let next = used.get(i + 1).map(|&e| expert_id(e));
+        let w = provider
+            .expert(expert_id(expert), next)?
+            .to_device(x.device())?;
         let slots = Tensor::f_from_slice(&slots_of[expert])?.f_to_device(x.device())?;
         let scale = weights.f_index_select(0, &slots)?; // [t_e]
         let y = expert_forward(&selected, &w)?.f_mul(&scale.f_unsqueeze(-1)?)?; // [t_e, d]

@@ -2,65 +2,65 @@
 //! asks for an expert's weights and reports its routing; where experts live (a buffer over the
 //! expert store, all resident, mapped) is the provider's business, in `runtime/`.
 
-use tch::Tensor;
+use tch::Device;
 
+use super::layers::Weight;
 use crate::error::{Error, Result};
 use crate::ids::{ExpertId, Stack};
 
-/// One expert's weights, ready for the math (f32). They share memory with the provider's
-/// scratch: use them before asking the provider for the next expert.
-pub enum ExpertWeights {
+/// One expert's weights, ready for the math: stored matrices borrowed from where the provider
+/// keeps them (computed on in their encoding), or tensors. They borrow the provider: use them
+/// before asking it for the next expert.
+pub enum ExpertWeights<'a> {
     /// Switch Transformers: `wi` `[d_ff, d_model]`, `wo` `[d_model, d_ff]`.
-    Relu { wi: Tensor, wo: Tensor },
+    Relu { wi: Weight<'a>, wo: Weight<'a> },
     /// Decoder-only families: `gate`, `up` `[d_ff, d_model]`, `down` `[d_model, d_ff]`.
     SwiGlu {
-        gate: Tensor,
-        up: Tensor,
-        down: Tensor,
+        gate: Weight<'a>,
+        up: Weight<'a>,
+        down: Weight<'a>,
     },
 }
 
-impl ExpertWeights {
-    /// Views of `matrices` (shallow clones), named as the store names them, in blob order.
-    pub fn from_matrices(id: ExpertId, names: &[&str], matrices: &[Tensor]) -> Result<Self> {
-        let m = |i: usize| matrices[i].shallow_clone();
-        match names {
-            ["wi", "wo"] if matrices.len() == 2 => Ok(ExpertWeights::Relu { wi: m(0), wo: m(1) }),
-            ["gate", "up", "down"] if matrices.len() == 3 => Ok(ExpertWeights::SwiGlu {
-                gate: m(0),
-                up: m(1),
-                down: m(2),
+impl<'a> ExpertWeights<'a> {
+    /// The expert from its matrices, named as the store names them, in blob order.
+    pub fn from_matrices(id: ExpertId, names: &[&str], matrices: Vec<Weight<'a>>) -> Result<Self> {
+        let names_seen = format!("{names:?}");
+        let mut m = matrices.into_iter();
+        match (names, m.len()) {
+            (["wi", "wo"], 2) => Ok(ExpertWeights::Relu {
+                wi: m.next().expect("two"),
+                wo: m.next().expect("two"),
             }),
-            other => Err(Error::Internal(format!(
-                "{id}: unknown expert matrices {other:?}"
+            (["gate", "up", "down"], 3) => Ok(ExpertWeights::SwiGlu {
+                gate: m.next().expect("three"),
+                up: m.next().expect("three"),
+                down: m.next().expect("three"),
+            }),
+            _ => Err(Error::Internal(format!(
+                "{id}: unknown expert matrices {names_seen}"
             ))),
         }
     }
 
-    /// The same weights on `device` (no copy when they are there already).
-    pub fn to_device(self, device: tch::Device) -> Result<Self> {
-        let moved = |t: Tensor| -> Result<Tensor> {
-            if t.device() == device {
-                Ok(t)
-            } else {
-                Ok(t.f_to_device(device)?)
-            }
-        };
+    /// The same weights on `device`: stored matrices stay in their encoding on the CPU and are
+    /// expanded to f32 on a GPU.
+    pub fn to_device(self, device: Device) -> Result<Self> {
         Ok(match self {
             ExpertWeights::Relu { wi, wo } => ExpertWeights::Relu {
-                wi: moved(wi)?,
-                wo: moved(wo)?,
+                wi: wi.to_device(device)?,
+                wo: wo.to_device(device)?,
             },
             ExpertWeights::SwiGlu { gate, up, down } => ExpertWeights::SwiGlu {
-                gate: moved(gate)?,
-                up: moved(up)?,
-                down: moved(down)?,
+                gate: gate.to_device(device)?,
+                up: up.to_device(device)?,
+                down: down.to_device(device)?,
             },
         })
     }
 
     /// The matrices in blob order.
-    pub fn matrices(&self) -> Vec<&Tensor> {
+    pub fn matrices(&self) -> Vec<&Weight<'a>> {
         match self {
             ExpertWeights::Relu { wi, wo } => vec![wi, wo],
             ExpertWeights::SwiGlu { gate, up, down } => vec![gate, up, down],
@@ -70,8 +70,9 @@ impl ExpertWeights {
 
 /// How the model gets expert weights. Implementations decide where experts live.
 pub trait ExpertProvider {
-    /// Makes expert `id` ready and returns its weights.
-    fn expert(&mut self, id: ExpertId) -> Result<ExpertWeights>;
+    /// Makes expert `id` ready and returns its weights. `next` is the expert this layer needs
+    /// after `id`, if any: its read may start once `id` is ready, while `id` computes.
+    fn expert(&mut self, id: ExpertId, next: Option<ExpertId>) -> Result<ExpertWeights<'_>>;
 
     /// A new forward call starts: the encoder pass, or one decoder step (one new token per
     /// sequence).
@@ -81,11 +82,6 @@ pub trait ExpertProvider {
     /// first), tokens row-major, so `experts.len()` = tokens × `k`. Stale prefetches for this
     /// layer can go, and the next layer's experts can be prefetched.
     fn routed(&mut self, _stack: Stack, _block: usize, _k: usize, _experts: &[u16]) -> Result<()> {
-        Ok(())
-    }
-
-    /// `id` is needed next in this layer: its read may start while the current expert computes.
-    fn will_use(&mut self, _id: ExpertId) -> Result<()> {
         Ok(())
     }
 }

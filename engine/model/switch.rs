@@ -7,14 +7,14 @@
 
 use tch::{Device, Tensor};
 
-use super::layers::{dense_act_dense, Attention, RmsNorm};
+use super::layers::{dense_act_dense, linear, Attention, Linear, RmsNorm, Weight};
 use super::moe::{moe_ffn, LayerRoute, Router, Routing};
 use crate::config::SwitchSpec;
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
 use crate::ids::Stack;
 use crate::model::provider::ExpertProvider;
-use crate::weights::WeightFiles;
+use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
 
@@ -60,14 +60,14 @@ pub fn resident_tensors(spec: &SwitchSpec) -> Vec<(String, Vec<usize>)> {
     let mut tensors = Vec::new();
     SwitchModel::assemble(spec, &mut |name, shape| {
         tensors.push((name.to_string(), shape.to_vec()));
-        Ok(Tensor::new())
+        Ok(Weight::Tensor(Tensor::new()))
     })
     .expect("assembling placeholders cannot fail");
     tensors
 }
 
 enum FeedForward {
-    Dense { wi: Tensor, wo: Tensor },
+    Dense { wi: Linear, wo: Linear },
     Sparse(Router),
 }
 
@@ -83,7 +83,7 @@ struct Block {
 struct StackWeights {
     stack: Stack,
     /// `[V, d]` own token embeddings, when the checkpoint does not share `shared.weight`.
-    embed_tokens: Option<Tensor>,
+    embed_tokens: Option<Linear>,
     blocks: Vec<Block>,
     final_norm: RmsNorm,
 }
@@ -92,9 +92,9 @@ struct StackWeights {
 pub struct SwitchModel {
     spec: SwitchSpec,
     /// `[V, d]` token embeddings (and the LM head when embeddings are tied).
-    shared: Tensor,
+    shared: Linear,
     /// `[V, d]` when embeddings are not tied.
-    lm_head: Option<Tensor>,
+    lm_head: Option<Linear>,
     encoder: StackWeights,
     decoder: StackWeights,
     resident_bytes: u64,
@@ -111,8 +111,8 @@ pub struct DecoderState {
 }
 
 impl SwitchModel {
-    /// Loads the resident weights (owned f32 copies) from `files` (a bundle's resident file), on
-    /// the CPU.
+    /// Loads the resident weights (owned copies, f32 or in their stored matrix form) from `files`
+    /// (a bundle's resident file), on the CPU.
     pub fn load(spec: &SwitchSpec, files: &WeightFiles) -> Result<Self> {
         Self::load_on(spec, files, Device::Cpu)
     }
@@ -125,9 +125,13 @@ impl SwitchModel {
         let mut resident_bytes = 0u64;
         let mut model = files.load_all(|loader| {
             Self::assemble(spec, &mut |name, shape| {
-                let t = loader.take_f32(name, shape)?.f_to_device(device)?;
-                resident_bytes += (t.numel() * 4) as u64;
-                Ok(t)
+                let w = match loader.take_stored(name, shape)? {
+                    Stored::F32(t) => Weight::Tensor(t),
+                    Stored::Matrix(m) => Weight::Packed(m),
+                }
+                .to_device(device)?;
+                resident_bytes += w.stored_bytes();
+                Ok(w)
             })
         })?;
         model.resident_bytes = resident_bytes;
@@ -138,7 +142,7 @@ impl SwitchModel {
     /// of Switch Transformers are spelled (besides experts and redundant copies, above).
     fn assemble(
         spec: &SwitchSpec,
-        get: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+        get: &mut dyn FnMut(&str, &[usize]) -> Result<Linear>,
     ) -> Result<Self> {
         let (d, inner, d_ff) = (spec.d_model, spec.inner_dim(), spec.d_ff);
         let shared = get("shared.weight", &[spec.vocab_size, d])?;
@@ -147,9 +151,11 @@ impl SwitchModel {
         } else {
             Some(get("lm_head.weight", &[spec.vocab_size, d])?)
         };
-        let norm = |t: Tensor| RmsNorm {
-            weight: t,
-            eps: spec.layer_norm_epsilon,
+        let norm = |w: Linear| -> Result<RmsNorm> {
+            Ok(RmsNorm {
+                weight: w.to_tensor()?,
+                eps: spec.layer_norm_epsilon,
+            })
         };
         let mut stacks = Vec::new();
         for stack in [Stack::Encoder, Stack::Decoder] {
@@ -170,10 +176,13 @@ impl SwitchModel {
                             v: get(&format!("{a}.{module}.v.weight"), &[inner, d])?,
                             o: get(&format!("{a}.{module}.o.weight"), &[d, inner])?,
                             relative_attention_bias: if with_bias {
-                                Some(get(
-                                    &format!("{a}.{module}.relative_attention_bias.weight"),
-                                    &[spec.relative_attention_num_buckets, spec.num_heads],
-                                )?)
+                                Some(
+                                    get(
+                                        &format!("{a}.{module}.relative_attention_bias.weight"),
+                                        &[spec.relative_attention_num_buckets, spec.num_heads],
+                                    )?
+                                    .to_tensor()?,
+                                )
                             } else {
                                 None
                             },
@@ -182,7 +191,7 @@ impl SwitchModel {
                         };
                         Ok((
                             attention,
-                            norm(get(&format!("{a}.layer_norm.weight"), &[d])?),
+                            norm(get(&format!("{a}.layer_norm.weight"), &[d])?)?,
                         ))
                     };
                 let (self_attention, self_attention_norm) =
@@ -192,7 +201,7 @@ impl SwitchModel {
                     Stack::Encoder => None,
                 };
                 let ff = ff_prefix(stack, block);
-                let ff_norm = norm(get(&format!("{ff}.layer_norm.weight"), &[d])?);
+                let ff_norm = norm(get(&format!("{ff}.layer_norm.weight"), &[d])?)?;
                 let ff = if spec.is_sparse(stack, block) {
                     FeedForward::Sparse(Router {
                         weight: get(
@@ -200,10 +209,13 @@ impl SwitchModel {
                             &[spec.num_experts, d],
                         )?,
                         bias: if spec.router_bias {
-                            Some(get(
-                                &format!("{ff}.mlp.router.classifier.bias"),
-                                &[spec.num_experts],
-                            )?)
+                            Some(
+                                get(
+                                    &format!("{ff}.mlp.router.classifier.bias"),
+                                    &[spec.num_experts],
+                                )?
+                                .to_tensor()?,
+                            )
                         } else {
                             None
                         },
@@ -222,7 +234,7 @@ impl SwitchModel {
                     ff,
                 });
             }
-            let final_norm = norm(get(&format!("{p}.final_layer_norm.weight"), &[d])?);
+            let final_norm = norm(get(&format!("{p}.final_layer_norm.weight"), &[d])?)?;
             stacks.push(StackWeights {
                 stack,
                 embed_tokens,
@@ -248,10 +260,13 @@ impl SwitchModel {
 
     /// Where the resident weights and the dense math are.
     pub fn device(&self) -> Device {
-        self.shared.device()
+        match &self.shared {
+            Weight::Tensor(t) => t.device(),
+            _ => Device::Cpu,
+        }
     }
 
-    /// Bytes of the resident (non-expert) weights as held in memory (f32).
+    /// Bytes of the resident (non-expert) weights as held in memory.
     pub fn resident_bytes(&self) -> u64 {
         self.resident_bytes
     }
@@ -267,7 +282,7 @@ impl SwitchModel {
             .f_view(shape)?
             .f_to_device(self.device())?;
         let table = stack.embed_tokens.as_ref().unwrap_or(&self.shared);
-        Ok(Tensor::f_embedding(table, &ids, -1, false, false)?)
+        table.embed(&ids)
     }
 
     /// The FF sub-layer of a block: `h + ff(norm(h))`.
@@ -409,7 +424,7 @@ impl SwitchModel {
                 &self.shared
             }
         };
-        let logits = h.f_linear::<&Tensor>(head, None)?; // [b, 1, V]
+        let logits = linear(&h, head)?; // [b, 1, V]
         Ok(logits.f_reshape([b, self.spec.vocab_size as i64])?)
     }
 

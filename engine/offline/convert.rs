@@ -35,7 +35,8 @@ use crate::model::switch;
 use crate::offline::bit_plan::BitPlan;
 use crate::store::{ExpertEncoding, ExpertStoreWriter};
 use crate::tokenizer::Tokenizer;
-use crate::weights::{TensorBytes, WeightDtype, WeightFiles};
+use crate::quant::QuantBits;
+use crate::weights::{int8_scales_name, TensorBytes, WeightDtype, WeightFiles};
 
 pub struct ConvertOptions {
     pub hf_dir: PathBuf,
@@ -45,7 +46,127 @@ pub struct ConvertOptions {
     /// Stored width of each expert (empty: the checkpoint's dtype). Non-expert weights are
     /// never quantized.
     pub bits: BitPlan,
+    /// Width of the resident (non-expert) matrices.
+    pub resident: ResidentWidth,
     pub show_progress: bool,
+}
+
+/// Width of a bundle's resident (non-expert) matrices: embeddings, attention projections,
+/// dense FFNs, routers, the LM head. Vectors (norms, biases) and T5's relative-position table
+/// stay f32 whatever the width.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ResidentWidth {
+    /// The parity reference: widened from the checkpoint's dtype, computed by libtorch.
+    #[default]
+    F32,
+    F16,
+    Bf16,
+    /// Channel-wise symmetric INT8 (one f32 scale per output row, in `{name}.scales`).
+    Int8,
+}
+
+impl ResidentWidth {
+    pub const ALL: [ResidentWidth; 4] = [
+        ResidentWidth::F32,
+        ResidentWidth::F16,
+        ResidentWidth::Bf16,
+        ResidentWidth::Int8,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ResidentWidth::F32 => "f32",
+            ResidentWidth::F16 => "f16",
+            ResidentWidth::Bf16 => "bf16",
+            ResidentWidth::Int8 => "int8",
+        }
+    }
+}
+
+impl std::str::FromStr for ResidentWidth {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        ResidentWidth::ALL
+            .into_iter()
+            .find(|w| w.name() == s)
+            .ok_or_else(|| format!("unknown resident width `{s}` (expected f32, f16, bf16 or int8)"))
+    }
+}
+
+/// One tensor of the resident file, owned.
+struct ResidentTensor {
+    name: String,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+/// `t` (stored as `name`) at `width`: matrices at the width (INT8 adds a scales tensor),
+/// vectors and the relative-position table as f32.
+fn resident_at_width(
+    name: &str,
+    t: &TensorBytes<'_>,
+    width: ResidentWidth,
+) -> Result<Vec<ResidentTensor>> {
+    let shape = t.shape.to_vec();
+    let values = t.to_f32_tensor()?;
+    let values = Vec::<f32>::try_from(values.f_flatten(0, -1)?)?;
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err(Error::tensor(
+            t.path,
+            t.name,
+            format!("element {i} is {}: the checkpoint is corrupt", values[i]),
+        ));
+    }
+    let is_matrix = shape.len() == 2 && !name.ends_with("relative_attention_bias.weight");
+    let one = |dtype, data| {
+        Ok(vec![ResidentTensor {
+            name: name.to_string(),
+            dtype,
+            shape: shape.clone(),
+            data,
+        }])
+    };
+    use safetensors::Dtype;
+    match (width, is_matrix) {
+        (ResidentWidth::F32, _) | (_, false) => {
+            one(Dtype::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        }
+        (ResidentWidth::F16, true) => one(
+            Dtype::F16,
+            values
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+        ),
+        (ResidentWidth::Bf16, true) => one(
+            Dtype::BF16,
+            values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        ),
+        (ResidentWidth::Int8, true) => {
+            let (rows, cols) = (shape[0], shape[1]);
+            let (codes, scales) = crate::quant::quantize(&values, rows, cols, QuantBits::Int8)
+                .map_err(|e| Error::tensor(t.path, t.name, e.to_string()))?;
+            Ok(vec![
+                ResidentTensor {
+                    name: name.to_string(),
+                    dtype: Dtype::I8,
+                    shape: shape.clone(),
+                    data: codes,
+                },
+                ResidentTensor {
+                    name: int8_scales_name(name),
+                    dtype: Dtype::F32,
+                    shape: vec![rows],
+                    data: scales.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                },
+            ])
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -110,6 +231,7 @@ pub fn read_hf_config(hf_dir: &Path) -> Result<BundleConfig> {
         model,
         generation,
         source_dtype: String::new(),
+        resident_width: ResidentWidth::default().name().into(),
     })
 }
 
@@ -350,17 +472,22 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
             .progress_chars("=> "),
     );
 
-    // Resident weights keep their source dtype; they are widened to f32 when loaded.
+    // Resident weights at the chosen width (the engine holds and computes them so).
     progress.set_message("resident");
     let resident_path = options.out_dir.join(RESIDENT_FILE);
-    let mut views = Vec::with_capacity(resident.len());
+    let mut stored = Vec::with_capacity(resident.len());
     for (name, source, shape) in resident {
         let t = files.get(source, shape)?;
-        let view = TensorView::new(t.dtype.to_safetensors(), shape.clone(), t.data)
-            .map_err(|e| Error::tensor(t.path, source, e.to_string()))?;
-        views.push((name.clone(), view));
+        stored.extend(resident_at_width(name, &t, options.resident)?);
         progress.inc(1);
     }
+    let mut views = Vec::with_capacity(stored.len());
+    for t in &stored {
+        let view = TensorView::new(t.dtype, t.shape.clone(), &t.data)
+            .map_err(|e| Error::tensor(&resident_path, &t.name, e.to_string()))?;
+        views.push((t.name.clone(), view));
+    }
+    config.resident_width = options.resident.name().into();
     config.source_dtype = files
         .get(&resident[0].1, &resident[0].2)?
         .dtype
@@ -464,15 +591,15 @@ pub fn requantize_bundle(source: &Path, out: &Path, bits: &BitPlan) -> Result<()
     let store_path = out.join(EXPERTS_FILE);
     let mut writer = ExpertStoreWriter::create(&store_path, &spec.expert_layout(), &plan)?;
     let mut slot = crate::store::AlignedBuf::new(store.max_padded_expert_bytes() as usize);
-    let mut scratch = crate::runtime::codec::expert_scratch(&spec);
     for &(id, encoding) in &plan {
         let entry = store.entry(id).expect("listed by the store").clone();
         store.read_expert(id, slot.as_mut_slice())?;
-        crate::runtime::codec::decode_expert(&entry, slot.as_slice(), &mut scratch)?;
+        let stored = crate::runtime::codec::stored_matrices(&entry, slot.as_slice())?;
         let (matrices, length) = spec.expert_layout().blob(encoding);
         let mut blob = vec![0u8; length as usize];
-        for (m, t) in matrices.iter().zip(&scratch) {
-            let values = Vec::<f32>::try_from(t.f_flatten(0, -1)?)?;
+        for (m, t) in matrices.iter().zip(&stored) {
+            let mut values = vec![0f32; t.rows() * t.cols()];
+            t.dequantize_rows(0, t.rows(), &mut values)?;
             let bytes = values
                 .iter()
                 .flat_map(|v| v.to_le_bytes())

@@ -411,6 +411,7 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
             let out = temp.path().join("bundle");
             _temp = temp;
             convert(&ConvertOptions {
+                resident: Default::default(),
                 hf_dir: hf.clone(),
                 out_dir: out.clone(),
                 tokenizer: None,

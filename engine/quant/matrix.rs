@@ -171,6 +171,17 @@ impl<'a> MatrixRef<'a> {
         Ok(())
     }
 
+    /// An owned copy of the stored bytes.
+    pub fn to_owned(&self) -> Result<PackedMatrix> {
+        PackedMatrix::new(
+            self.format,
+            self.rows,
+            self.cols,
+            self.data.to_vec(),
+            self.scales.to_vec(),
+        )
+    }
+
     /// The whole matrix as an f32 tensor `[rows, cols]` (on the CPU).
     pub fn to_tensor(&self) -> Result<Tensor> {
         let mut out = vec![0f32; self.rows * self.cols];

@@ -1,8 +1,8 @@
 //! The expert buffer: the cache of experts between the expert store and the model.
 //!
 //! [`ExpertBuffer`] owns a fixed number of page-aligned slots, allocated once and sized from the
-//! memory budget. Slots hold experts in their stored form; an expert is decoded into reusable
-//! f32 scratch tensors when the model asks for it. Which expert sits where, and what to evict,
+//! memory budget. Slots hold experts in their stored form, and the model computes on them there
+//! (views of the slot, see `codec`). Which expert sits where, and what to evict,
 //! is decided by a [`SlotTable`] and its [`Policy`] (the same code trace replay runs). With
 //! prefetch on, a [`Prefetcher`] thread reads experts ahead of need into free or evictable slots:
 //! experts the [`PathDictionary`] predicts for the next MoE layer, and the next expert of the
@@ -20,8 +20,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tch::Tensor;
-
 use crate::cache::policy::{LayerMap, Policy, PolicyState};
 use crate::cache::table::{AccessContext, Evicted, Outcome, SlotTable};
 use crate::cache::trace::{AccessKind, TraceEvent, TraceHeader, TraceWriter, TRACE_VERSION};
@@ -32,7 +30,7 @@ use crate::ids::{ExpertId, Stack};
 use crate::model::provider::{ExpertProvider, ExpertWeights};
 use crate::store::{AlignedBuf, ExpertStore};
 
-use super::codec::{decode_expert, expert_scratch};
+use super::codec::expert_weights;
 use super::predict::{seeds, Predictor};
 use super::prefetch::{self, Completion, Prefetcher, Request};
 use super::stats::ExpertStats;
@@ -68,8 +66,6 @@ pub struct ExpertBuffer {
     predictor: Option<Predictor>,
     /// The expert whose weights were handed out last (still being computed on).
     in_use: Option<ExpertId>,
-    /// Decoded weights of the expert in use, one tensor per matrix.
-    scratch: Vec<Tensor>,
     stats: ExpertStats,
     trace: Option<TraceWriter>,
     /// Forward calls so far (trace `token`).
@@ -142,7 +138,6 @@ impl ExpertBuffer {
             layers,
             dictionary,
             in_use: None,
-            scratch: expert_scratch(spec),
             stats: ExpertStats::default(),
             trace: None,
             step: 0,
@@ -408,8 +403,13 @@ impl ExpertBuffer {
 }
 
 impl ExpertProvider for ExpertBuffer {
-    fn expert(&mut self, id: ExpertId) -> Result<ExpertWeights> {
+    fn expert(&mut self, id: ExpertId, next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         let slot = self.demand(id)?;
+        self.in_use = Some(id);
+        // The slot in use is pinned: the next expert's read cannot take it.
+        if let Some(next) = next {
+            self.start_prefetch(next, false)?;
+        }
         let entry = self
             .store
             .entry(id)
@@ -417,10 +417,7 @@ impl ExpertProvider for ExpertBuffer {
         let memory = self.memory[slot]
             .as_ref()
             .expect("a demanded slot is not being filled");
-        decode_expert(entry, memory.as_slice(), &mut self.scratch)?;
-        self.in_use = Some(id);
-        let names: Vec<&str> = entry.matrices.iter().map(|m| m.name.as_str()).collect();
-        ExpertWeights::from_matrices(id, &names, &self.scratch)
+        expert_weights(entry, memory.as_slice())
     }
 
     fn begin_step(&mut self, stack: Stack) {
@@ -456,9 +453,5 @@ impl ExpertProvider for ExpertBuffer {
             self.start_prefetch(id, true)?;
         }
         Ok(())
-    }
-
-    fn will_use(&mut self, id: ExpertId) -> Result<()> {
-        self.start_prefetch(id, false)
     }
 }

@@ -1,83 +1,63 @@
-//! Stored expert bytes → f32 weights: the blob decoder every provider uses, and the scratch
-//! tensors it decodes into (allocated once, reused for every expert).
+//! Stored expert bytes → the weights the model computes on: views of each matrix of a blob in
+//! its stored encoding (f32, f16, bf16, INT8/4/2 with per-row scales), without copying or
+//! expanding anything. Every provider hands experts out through [`expert_weights`].
 
-use tch::{Device, Kind, Tensor};
-
-use crate::config::ModelSpec;
 use crate::error::{Error, Result};
+use crate::model::layers::Weight;
+use crate::model::provider::ExpertWeights;
+use crate::quant::matrix::{MatrixFormat, MatrixRef};
 use crate::store::{ExpertEncoding, ExpertEntry};
+use crate::weights::WeightDtype;
 
-/// Decodes one stored expert (slot bytes) into f32 scratch tensors, one per matrix of the
-/// entry in blob order (`wi`, `wo` or `gate`, `up`, `down`), without allocating.
-pub fn decode_expert(entry: &ExpertEntry, bytes: &[u8], out: &mut [Tensor]) -> Result<()> {
-    if out.len() != entry.matrices.len() {
-        return Err(Error::Internal(format!(
-            "{}: {} matrices stored, {} scratch tensors",
-            entry.id,
-            entry.matrices.len(),
-            out.len()
-        )));
+/// How matrices of `encoding` are laid out for the kernels.
+pub fn matrix_format(encoding: ExpertEncoding) -> MatrixFormat {
+    match encoding {
+        ExpertEncoding::Quant(bits) => MatrixFormat::Quant(bits),
+        ExpertEncoding::Float(WeightDtype::F32) => MatrixFormat::F32,
+        ExpertEncoding::Float(WeightDtype::F16) => MatrixFormat::F16,
+        ExpertEncoding::Float(WeightDtype::BF16) => MatrixFormat::Bf16,
     }
-    for (m, out) in entry.matrices.iter().zip(out.iter_mut()) {
-        let name = &m.name;
-        let start = m.offset as usize;
-        let end = start + m.bytes as usize;
-        let stored = bytes
-            .get(start..end)
-            .ok_or_else(|| Error::Internal(format!("{}: `{name}` outside its blob", entry.id)))?;
-        let (rows, cols) = (m.rows as usize, m.cols as usize);
-        if out.numel() != rows * cols || out.kind() != Kind::Float || !out.is_contiguous() {
-            return Err(Error::Internal(format!(
-                "{}: scratch shape mismatch for `{name}`",
-                entry.id
-            )));
-        }
-        match entry.encoding {
-            ExpertEncoding::Quant(bits) => {
-                let scales = bytes
-                    .get(m.scales_offset as usize..(m.scales_offset + m.scales_bytes) as usize)
-                    .ok_or_else(|| {
-                        Error::Internal(format!("{}: `{name}` scales outside its blob", entry.id))
-                    })?;
-                // Scales sit on a 64-byte boundary of a page-aligned slot.
-                // SAFETY: any 4 initialised bytes are a valid f32.
-                let (head, scales, tail) = unsafe { scales.align_to::<f32>() };
-                if !head.is_empty() || !tail.is_empty() {
-                    return Err(Error::Internal(format!("{}: misaligned scales", entry.id)));
-                }
-                // SAFETY: `out` is a contiguous f32 CPU tensor of rows × cols elements that
-                // nothing else reads while this slice lives.
-                let dest = unsafe {
-                    std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, rows * cols)
-                };
-                crate::quant::dequantize_into(stored, scales, rows, cols, bits, dest)?;
-            }
-            ExpertEncoding::Float(dtype) => {
-                // SAFETY: `stored` holds rows × cols elements of `dtype` (checked by the store's
-                // layout validation); the view is dropped before this function returns, while
-                // `bytes` is still borrowed.
-                let view = unsafe {
-                    Tensor::f_from_blob(
-                        stored.as_ptr(),
-                        &[m.rows as i64, m.cols as i64],
-                        &[],
-                        dtype.kind(),
-                        Device::Cpu,
-                    )
-                }?;
-                out.f_copy_(&view)?;
-            }
-        }
-    }
-    Ok(())
 }
 
-/// Zeroed f32 scratch for one expert of `spec`, one tensor per matrix in blob order.
-pub fn expert_scratch(spec: &ModelSpec) -> Vec<Tensor> {
-    spec.expert_matrices()
+/// The matrices of one stored expert (slot bytes), in blob order (`wi`, `wo` or `gate`, `up`,
+/// `down`), as views of `bytes`.
+pub fn stored_matrices<'a>(entry: &ExpertEntry, bytes: &'a [u8]) -> Result<Vec<MatrixRef<'a>>> {
+    let format = matrix_format(entry.encoding);
+    entry
+        .matrices
         .iter()
-        .map(|&(_, rows, cols)| {
-            Tensor::zeros([rows as i64, cols as i64], (Kind::Float, Device::Cpu))
+        .map(|m| {
+            let name = &m.name;
+            let outside = || Error::Internal(format!("{}: `{name}` outside its blob", entry.id));
+            let data = bytes
+                .get(m.offset as usize..(m.offset + m.bytes) as usize)
+                .ok_or_else(outside)?;
+            let scales: &[f32] = match entry.encoding {
+                ExpertEncoding::Quant(_) => {
+                    let raw = bytes
+                        .get(m.scales_offset as usize..(m.scales_offset + m.scales_bytes) as usize)
+                        .ok_or_else(outside)?;
+                    // Scales sit on a 64-byte boundary of a page-aligned slot.
+                    // SAFETY: any 4 initialised bytes are a valid f32.
+                    let (head, scales, tail) = unsafe { raw.align_to::<f32>() };
+                    if !head.is_empty() || !tail.is_empty() {
+                        return Err(Error::Internal(format!("{}: misaligned scales", entry.id)));
+                    }
+                    scales
+                }
+                ExpertEncoding::Float(_) => &[],
+            };
+            MatrixRef::new(format, m.rows as usize, m.cols as usize, data, scales)
         })
         .collect()
+}
+
+/// One stored expert's weights as views of `bytes` (its slot), ready for the model.
+pub fn expert_weights<'a>(entry: &ExpertEntry, bytes: &'a [u8]) -> Result<ExpertWeights<'a>> {
+    let matrices = stored_matrices(entry, bytes)?
+        .into_iter()
+        .map(Weight::Stored)
+        .collect();
+    let names: Vec<&str> = entry.matrices.iter().map(|m| m.name.as_str()).collect();
+    ExpertWeights::from_matrices(entry.id, &names, matrices)
 }

@@ -21,16 +21,14 @@ use std::str::FromStr;
 use std::time::Instant;
 
 use serde::Serialize;
-use tch::Tensor;
 
 use crate::cache::Policy;
-use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
 use crate::ids::Stack;
 use crate::model::provider::{ExpertProvider, ExpertWeights};
 use crate::runtime::buffer::ExpertBuffer;
-use crate::runtime::codec::{decode_expert, expert_scratch};
+use crate::runtime::codec::expert_weights;
 use crate::runtime::resident::ResidentExperts;
 use crate::runtime::stats::ExpertStats;
 use crate::store::AlignedBuf;
@@ -112,35 +110,22 @@ impl FromStr for Mode {
 pub struct DemandLoader {
     store: ExpertStore,
     slot: AlignedBuf,
-    scratch: Vec<Tensor>,
     stats: ExpertStats,
 }
 
-/// Decodes `bytes` of `entry` into `scratch` and hands out views of it.
-fn decoded(
-    entry: &crate::store::ExpertEntry,
-    bytes: &[u8],
-    scratch: &mut [Tensor],
-) -> Result<ExpertWeights> {
-    decode_expert(entry, bytes, scratch)?;
-    let names: Vec<&str> = entry.matrices.iter().map(|m| m.name.as_str()).collect();
-    ExpertWeights::from_matrices(entry.id, &names, scratch)
-}
-
 impl DemandLoader {
-    pub fn new(store: ExpertStore, spec: &ModelSpec) -> Self {
+    pub fn new(store: ExpertStore) -> Self {
         let slot = AlignedBuf::new(store.max_padded_expert_bytes() as usize);
         DemandLoader {
             store,
             slot,
-            scratch: expert_scratch(spec),
             stats: ExpertStats::default(),
         }
     }
 }
 
 impl ExpertProvider for DemandLoader {
-    fn expert(&mut self, id: ExpertId) -> Result<ExpertWeights> {
+    fn expert(&mut self, id: ExpertId, _next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         let started = Instant::now();
         let read = self.store.read_expert(id, self.slot.as_mut_slice())?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -150,7 +135,7 @@ impl ExpertProvider for DemandLoader {
         self.stats.read_ms += ms;
         self.stats.stall_ms += ms;
         let entry = self.store.entry(id).expect("read succeeded");
-        decoded(entry, self.slot.as_slice(), &mut self.scratch)
+        expert_weights(entry, self.slot.as_slice())
     }
 }
 
@@ -160,30 +145,28 @@ impl DemandLoader {
     }
 }
 
-/// The whole expert store memory-mapped; experts are decoded straight from the map.
+/// The whole expert store memory-mapped; experts are computed on straight from the map.
 pub struct MappedExperts {
     store: ExpertStore,
     map: MappedBytes,
     pacer: Option<ReadPacer>,
-    scratch: Vec<Tensor>,
     stats: ExpertStats,
 }
 
 impl MappedExperts {
-    pub fn new(store: ExpertStore, spec: &ModelSpec, pacer: Option<ReadPacer>) -> Result<Self> {
+    pub fn new(store: ExpertStore, pacer: Option<ReadPacer>) -> Result<Self> {
         let map = MappedBytes::open(store.path())?;
         Ok(MappedExperts {
             store,
             map,
             pacer,
-            scratch: expert_scratch(spec),
             stats: ExpertStats::default(),
         })
     }
 }
 
 impl ExpertProvider for MappedExperts {
-    fn expert(&mut self, id: ExpertId) -> Result<ExpertWeights> {
+    fn expert(&mut self, id: ExpertId, _next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         let entry = self
             .store
             .entry(id)
@@ -219,7 +202,7 @@ impl ExpertProvider for MappedExperts {
             self.stats.stall_ms += ms;
             self.stats.read_ms += ms;
         }
-        decoded(&entry, bytes, &mut self.scratch)
+        expert_weights(&entry, bytes)
     }
 }
 
@@ -280,8 +263,8 @@ impl ExpertSource {
 }
 
 impl ExpertProvider for ExpertSource {
-    fn expert(&mut self, id: ExpertId) -> Result<ExpertWeights> {
-        self.inner().expert(id)
+    fn expert(&mut self, id: ExpertId, next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
+        self.inner().expert(id, next)
     }
 
     fn begin_step(&mut self, stack: Stack) {
@@ -290,10 +273,6 @@ impl ExpertProvider for ExpertSource {
 
     fn routed(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
         self.inner().routed(stack, block, k, experts)
-    }
-
-    fn will_use(&mut self, id: ExpertId) -> Result<()> {
-        self.inner().will_use(id)
     }
 }
 

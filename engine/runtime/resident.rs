@@ -1,23 +1,23 @@
-//! Every expert held in memory, already decoded to f32 — optionally in several widths at once,
+//! Every expert held in memory in its stored encoding — optionally in several widths at once,
 //! with the width used chosen per expert. This is the `io-free` baseline (no reads at run time)
 //! and the model the bit-width tuner evaluates plans on without rewriting stores.
 
 use std::collections::HashMap;
 
-use tch::Tensor;
-
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
+use crate::model::layers::Weight;
 use crate::model::provider::{ExpertProvider, ExpertWeights};
-use crate::quant::{dequantize_into, quantize};
-use crate::runtime::codec::decode_expert;
+use crate::quant::matrix::PackedMatrix;
+use crate::runtime::codec::{matrix_format, stored_matrices};
 use crate::runtime::stats::ExpertStats;
 use crate::store::AlignedBuf;
 use crate::store::{ExpertEncoding, ExpertStore};
 
 pub struct ResidentExperts {
-    /// (expert, width) → its matrices in blob order (`wi`, `wo` or `gate`, `up`, `down`), f32.
-    variants: HashMap<(ExpertId, ExpertEncoding), Vec<Tensor>>,
+    /// (expert, width) → its matrices in blob order (`wi`, `wo` or `gate`, `up`, `down`), in
+    /// that width's encoding.
+    variants: HashMap<(ExpertId, ExpertEncoding), Vec<PackedMatrix>>,
     /// Names of the matrices in blob order (the same for every expert of a store).
     names: HashMap<ExpertId, Vec<String>>,
     /// Width in use for each expert (absent: its stored width).
@@ -26,32 +26,9 @@ pub struct ResidentExperts {
     stats: ExpertStats,
 }
 
-/// `weights` through quantization at `encoding` and back (f32 → f32); floats are exact.
-fn requantized(weights: &Tensor, encoding: ExpertEncoding) -> Result<Tensor> {
-    let ExpertEncoding::Quant(bits) = encoding else {
-        return Ok(weights
-            .f_to_kind(encoding_kind(encoding))?
-            .f_to_kind(tch::Kind::Float)?);
-    };
-    let size = weights.size();
-    let (rows, cols) = (size[0] as usize, size[1] as usize);
-    let values = Vec::<f32>::try_from(weights.f_flatten(0, -1)?)?;
-    let (packed, scales) = quantize(&values, rows, cols, bits)?;
-    let mut out = vec![0f32; rows * cols];
-    dequantize_into(&packed, &scales, rows, cols, bits, &mut out)?;
-    Ok(Tensor::f_from_slice(&out)?.f_view([rows as i64, cols as i64])?)
-}
-
-fn encoding_kind(encoding: ExpertEncoding) -> tch::Kind {
-    match encoding {
-        ExpertEncoding::Float(d) => d.kind(),
-        ExpertEncoding::Quant(_) => tch::Kind::Float,
-    }
-}
-
 impl ResidentExperts {
-    /// Reads every expert of `store` once (decoded to f32), plus its requantization at each of
-    /// `extra_widths` (computed from the stored weights).
+    /// Reads every expert of `store` once (kept in its stored encoding), plus its
+    /// requantization at each of `extra_widths` (computed from the stored weights).
     pub fn load(store: &ExpertStore, extra_widths: &[ExpertEncoding]) -> Result<Self> {
         let mut variants = HashMap::new();
         let mut stored = HashMap::new();
@@ -59,27 +36,25 @@ impl ResidentExperts {
         let mut names = HashMap::new();
         for entry in &store.index().experts {
             store.read_expert(entry.id, slot.as_mut_slice())?;
-            let mut matrices: Vec<Tensor> = entry
-                .matrices
-                .iter()
-                .map(|m| {
-                    Tensor::zeros(
-                        [m.rows as i64, m.cols as i64],
-                        (tch::Kind::Float, tch::Device::Cpu),
-                    )
-                })
-                .collect();
-            decode_expert(entry, slot.as_slice(), &mut matrices)?;
+            let views = stored_matrices(entry, slot.as_slice())?;
             for &width in extra_widths {
                 if width != entry.encoding {
-                    let requantized = matrices
+                    let requantized = views
                         .iter()
-                        .map(|m| requantized(m, width))
+                        .map(|m| {
+                            let mut values = vec![0f32; m.rows() * m.cols()];
+                            m.dequantize_rows(0, m.rows(), &mut values)?;
+                            PackedMatrix::encode(&values, m.rows(), m.cols(), matrix_format(width))
+                        })
                         .collect::<Result<Vec<_>>>()?;
                     variants.insert((entry.id, width), requantized);
                 }
             }
-            variants.insert((entry.id, entry.encoding), matrices);
+            let owned = views
+                .iter()
+                .map(|m| m.to_owned())
+                .collect::<Result<Vec<_>>>()?;
+            variants.insert((entry.id, entry.encoding), owned);
             stored.insert(entry.id, entry.encoding);
             names.insert(
                 entry.id,
@@ -123,24 +98,27 @@ impl ResidentExperts {
         self.stored.get(&id).copied()
     }
 
-    /// Bytes all experts take in memory (f32, every loaded width).
+    /// Bytes all experts take in memory (in their encodings, every loaded width).
     pub fn bytes(&self) -> u64 {
         self.variants
             .values()
-            .flat_map(|m| m.iter().map(|t| (t.numel() * 4) as u64))
+            .flat_map(|m| m.iter().map(|p| p.view().stored_bytes() as u64))
             .sum()
     }
 }
 
 impl ExpertProvider for ResidentExperts {
-    fn expert(&mut self, id: ExpertId) -> Result<ExpertWeights> {
+    fn expert(&mut self, id: ExpertId, _next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         let width = self
             .choice
             .get(&id)
             .or_else(|| self.stored.get(&id))
             .copied()
             .ok_or_else(|| Error::Internal(format!("{id} is not in the model")))?;
-        let matrices = &self.variants[&(id, width)];
+        let matrices = self.variants[&(id, width)]
+            .iter()
+            .map(|p| Weight::Stored(p.view()))
+            .collect();
         let names: Vec<&str> = self.names[&id].iter().map(String::as_str).collect();
         self.stats.accesses += 1;
         self.stats.hits += 1;

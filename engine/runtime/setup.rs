@@ -162,11 +162,11 @@ impl ExpertRuntime {
             }
             Mode::IoExp | Mode::IoQexp | Mode::Q => {
                 plan.slots = 1;
-                ExpertSource::Demand(DemandLoader::new(store, spec))
+                ExpertSource::Demand(DemandLoader::new(store))
             }
             Mode::Mmap => {
                 plan.slots = 0;
-                ExpertSource::Mapped(MappedExperts::new(store, spec, pacer)?)
+                ExpertSource::Mapped(MappedExperts::new(store, pacer)?)
             }
             Mode::IoFree => {
                 let resident = ResidentExperts::load(&store, &[])?;

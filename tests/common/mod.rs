@@ -63,6 +63,7 @@ pub fn convert_to(hf: &Path, dir: &Path) -> PathBuf {
 pub fn convert_with(hf: &Path, dir: &Path, bits: BitPlan) -> PathBuf {
     let out = dir.join("bundle");
     convert(&ConvertOptions {
+        resident: Default::default(),
         hf_dir: hf.to_path_buf(),
         out_dir: out.clone(),
         tokenizer: (!hf.join("tokenizer.json").exists()).then(t5_tokenizer),
