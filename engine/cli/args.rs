@@ -188,6 +188,7 @@ impl CacheArgs {
         if let Some(threads) = threads {
             tch::set_num_threads(threads as i32);
         }
+        edgemoe::quant::matrix::set_compute_threads(threads.unwrap_or_else(default_threads));
         let budget_bytes = self
             .budget
             .or(profile.as_ref().map(|p| p.budget_bytes))

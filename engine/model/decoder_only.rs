@@ -31,6 +31,7 @@ use crate::model::provider::ExpertProvider;
 use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
+use crate::quant::matrix::TILE_ROWS;
 
 fn layer_prefix(layer: usize) -> String {
     format!("model.layers.{layer}")
@@ -501,8 +502,8 @@ impl DecoderOnlyModel {
         let caches = S(2) * n(spec.num_layers) * S(2) * kv * total;
         // Logits, their softmax and sort for sampling.
         let logits = S(4) * n(spec.vocab_size);
-        // Dequantized weights of the expert being computed (`gate`, `up`, `down`).
-        let expert_scratch = S(3) * d * n(spec.expert_intermediate_size);
+        // The GEMM path's tile of dequantized weight rows (experts are never expanded whole).
+        let expert_scratch = n(TILE_ROWS) * d.max(widest_ff);
         (f * (prefill + caches + logits + expert_scratch)).0
     }
 }

@@ -95,7 +95,9 @@ impl Weight<'_> {
             let r = usize::try_from(r)
                 .ok()
                 .filter(|&r| r < m.rows())
-                .ok_or_else(|| Error::Input(format!("row {r} outside an embedding of {}", m.rows())))?;
+                .ok_or_else(|| {
+                    Error::Input(format!("row {r} outside an embedding of {}", m.rows()))
+                })?;
             m.dequantize_rows(r, r + 1, dst)?;
         }
         let mut shape = ids.size();

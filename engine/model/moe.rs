@@ -163,8 +163,8 @@ pub fn moe_ffn(
     for (i, &expert) in used.iter().enumerate() {
         let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
         let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
-        // The next expert's read overlaps this one's compute. Experts are computed on in their
-        // stored encoding on the CPU; on a GPU they are expanded for the matmuls.
+                                                        // The next expert's read overlaps this one's compute. Experts are computed on in their
+                                                        // stored encoding on the CPU; on a GPU they are expanded for the matmuls.
         let next = used.get(i + 1).map(|&e| expert_id(e));
         let w = provider
             .expert(expert_id(expert), next)?

@@ -17,6 +17,7 @@ use crate::model::provider::ExpertProvider;
 use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
+use crate::quant::matrix::TILE_ROWS;
 
 /// HF name of a block's FF sub-layer prefix, e.g. `decoder.block.3.layer.2`.
 fn ff_prefix(stack: Stack, block: usize) -> String {
@@ -465,8 +466,8 @@ impl SwitchModel {
         let caches = S(2) * dec_layers * beams * S(2) * inner * (tgt + src);
         // Logits and log-probabilities of every beam, plus the top-k workspace.
         let logits = S(3) * beams * n(spec.vocab_size);
-        // Dequantized weights of the expert being computed (`wi` and `wo`).
-        let expert_scratch = S(2) * d * d_ff;
+        // The GEMM path's tile of dequantized weight rows (experts are never expanded whole).
+        let expert_scratch = n(TILE_ROWS) * d.max(d_ff);
         (f * (encoder + caches + logits + expert_scratch)).0
     }
 }

@@ -33,9 +33,9 @@ use crate::io::read_json;
 use crate::model::decoder_only;
 use crate::model::switch;
 use crate::offline::bit_plan::BitPlan;
+use crate::quant::QuantBits;
 use crate::store::{ExpertEncoding, ExpertStoreWriter};
 use crate::tokenizer::Tokenizer;
-use crate::quant::QuantBits;
 use crate::weights::{int8_scales_name, TensorBytes, WeightDtype, WeightFiles};
 
 pub struct ConvertOptions {
@@ -52,8 +52,8 @@ pub struct ConvertOptions {
 }
 
 /// Width of a bundle's resident (non-expert) matrices: embeddings, attention projections,
-/// dense FFNs, routers, the LM head. Vectors (norms, biases) and T5's relative-position table
-/// stay f32 whatever the width.
+/// dense FFNs, routers, the LM head. Vectors (norms, biases) stay f32 whatever the width, and
+/// T5's relative-position table (looked up, never multiplied) is f32 at `int8`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ResidentWidth {
     /// The parity reference: widened from the checkpoint's dtype, computed by libtorch.
@@ -90,7 +90,9 @@ impl std::str::FromStr for ResidentWidth {
         ResidentWidth::ALL
             .into_iter()
             .find(|w| w.name() == s)
-            .ok_or_else(|| format!("unknown resident width `{s}` (expected f32, f16, bf16 or int8)"))
+            .ok_or_else(|| {
+                format!("unknown resident width `{s}` (expected f32, f16, bf16 or int8)")
+            })
     }
 }
 
@@ -103,7 +105,7 @@ struct ResidentTensor {
 }
 
 /// `t` (stored as `name`) at `width`: matrices at the width (INT8 adds a scales tensor),
-/// vectors and the relative-position table as f32.
+/// vectors as f32.
 fn resident_at_width(
     name: &str,
     t: &TensorBytes<'_>,
@@ -119,7 +121,8 @@ fn resident_at_width(
             format!("element {i} is {}: the checkpoint is corrupt", values[i]),
         ));
     }
-    let is_matrix = shape.len() == 2 && !name.ends_with("relative_attention_bias.weight");
+    let is_matrix = shape.len() == 2
+        && !(width == ResidentWidth::Int8 && name.ends_with("relative_attention_bias.weight"));
     let one = |dtype, data| {
         Ok(vec![ResidentTensor {
             name: name.to_string(),
@@ -130,9 +133,10 @@ fn resident_at_width(
     };
     use safetensors::Dtype;
     match (width, is_matrix) {
-        (ResidentWidth::F32, _) | (_, false) => {
-            one(Dtype::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect())
-        }
+        (ResidentWidth::F32, _) | (_, false) => one(
+            Dtype::F32,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
         (ResidentWidth::F16, true) => one(
             Dtype::F16,
             values

@@ -259,24 +259,28 @@ impl PackedMatrix {
 static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
 
 /// Sets the number of threads the GEMV kernels split rows over (once per process; later calls
-/// are ignored). Without a call, kernels run on the calling thread only. Pass the compute
-/// threads, which leave a core to the prefetch thread.
+/// are ignored). Without a call they run on the calling thread: libtorch's OpenMP threads spin
+/// for a while after each of its ops, and a second pool beside them is only worth it when the
+/// caller knows the cores are free (the CLI passes its compute threads, which leave a core to
+/// the prefetch thread).
 pub fn set_compute_threads(threads: usize) {
-    POOL.get_or_init(|| {
-        (threads > 1)
-            .then(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(|i| format!("edgemoe-compute-{i}"))
-                    .build()
-                    .ok()
-            })
-            .flatten()
-    });
+    POOL.get_or_init(|| build_pool(threads));
+}
+
+fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
+    (threads > 1)
+        .then(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("edgemoe-compute-{i}"))
+                .build()
+                .ok()
+        })
+        .flatten()
 }
 
 fn pool() -> Option<&'static rayon::ThreadPool> {
-    POOL.get().and_then(Option::as_ref)
+    POOL.get_or_init(|| None).as_ref()
 }
 
 /// Activation rows prepared for one weight format: f32 as given, or INT8 blocks for integer
@@ -422,10 +426,10 @@ fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
         Tensor::f_from_blob(ptr.cast(), shape, &[], Kind::Float, Device::Cpu)
     };
     let xt = view(x.as_ptr(), &[n as i64, cols as i64])?;
-    let mut ot = view(out.as_mut_ptr(), &[n as i64, rows as i64])?;
+    let ot = view(out.as_mut_ptr(), &[n as i64, rows as i64])?;
     if w.format == MatrixFormat::F32 && (w.data.as_ptr() as usize).is_multiple_of(4) {
         let wt = view(w.data.as_ptr().cast(), &[rows as i64, cols as i64])?;
-        let _ = xt.f_mm_out(&mut ot, &wt.f_tr()?)?;
+        let _ = xt.f_mm_out(&ot, &wt.f_tr()?)?;
         return Ok(());
     }
     let tile_rows = TILE_ROWS.min(rows);

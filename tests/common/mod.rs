@@ -12,7 +12,7 @@ pub mod golden;
 use std::path::{Path, PathBuf};
 
 use edgemoe::offline::bit_plan::BitPlan;
-use edgemoe::offline::convert::{convert, ConvertOptions};
+use edgemoe::offline::convert::{convert, ConvertOptions, ResidentWidth};
 
 /// The tiny random Switch Transformers fixtures (`tests/fixtures/make_tiny_switch.py`).
 pub const SWITCH_FIXTURES: [&str; 2] = ["tiny-tied-e4", "tiny-untied-e8"];
@@ -61,9 +61,14 @@ pub fn convert_to(hf: &Path, dir: &Path) -> PathBuf {
 /// checkpoint's own `tokenizer.json` is bundled; the T5 one for fixtures that have none (the
 /// tiny Switch fixtures).
 pub fn convert_with(hf: &Path, dir: &Path, bits: BitPlan) -> PathBuf {
+    convert_at(hf, dir, bits, ResidentWidth::F32)
+}
+
+/// [`convert_with`], with the resident matrices at `resident`.
+pub fn convert_at(hf: &Path, dir: &Path, bits: BitPlan, resident: ResidentWidth) -> PathBuf {
     let out = dir.join("bundle");
     convert(&ConvertOptions {
-        resident: Default::default(),
+        resident,
         hf_dir: hf.to_path_buf(),
         out_dir: out.clone(),
         tokenizer: (!hf.join("tokenizer.json").exists()).then(t5_tokenizer),
