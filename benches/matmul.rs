@@ -1,0 +1,102 @@
+//! The quantized GEMV/GEMM kernels (`edgemoe::quant::matrix`) in bytes of weights per second,
+//! next to this machine's memory bandwidth measured here (a STREAM-style copy and triad over
+//! arrays far larger than the caches, on one thread like the kernels below).
+//!
+//! Shapes: an OLMoE-1B-7B expert matrix `[1024, 2048]`, and its LM head `[50304, 2048]` (the
+//! largest single matrix, 4–8× the last-level cache at every width). GEMV is one activation row
+//! (a decode step); GEMM is 64 rows (an expert's share of a 512-token prefill).
+//!
+//! `cargo bench --bench matmul` (criterion prints the throughput; the STREAM figures are printed
+//! first, as `stream copy` / `stream triad` in GB/s).
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use edgemoe::quant::matrix::{matmul, matmul_kernel, MatrixFormat, PackedMatrix};
+use edgemoe::quant::QuantBits;
+
+const FORMATS: [MatrixFormat; 6] = [
+    MatrixFormat::F32,
+    MatrixFormat::F16,
+    MatrixFormat::Bf16,
+    MatrixFormat::Quant(QuantBits::Int8),
+    MatrixFormat::Quant(QuantBits::Int4),
+    MatrixFormat::Quant(QuantBits::Int2),
+];
+
+/// Deterministic weights spread like a trained layer's.
+fn weights(n: usize) -> Vec<f32> {
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+        })
+        .collect()
+}
+
+/// Best of 5 passes of `f` over `bytes` moved, in GB/s.
+fn bandwidth(bytes: usize, mut f: impl FnMut()) -> f64 {
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
+}
+
+/// STREAM copy (`a = b`, 2 arrays touched) and triad (`a = b + s·c`, 3) over 64 Mi f32 each.
+fn stream() {
+    let n = 64 << 20;
+    let mut a = vec![0f32; n];
+    let b = vec![1f32; n];
+    let c = vec![2f32; n];
+    let copy = bandwidth(2 * 4 * n, || {
+        a.copy_from_slice(&b);
+        black_box(&a);
+    });
+    let triad = bandwidth(3 * 4 * n, || {
+        for ((a, b), c) in a.iter_mut().zip(&b).zip(&c) {
+            *a = b + 3.0 * c;
+        }
+        black_box(&a);
+    });
+    println!("stream copy  {copy:.1} GB/s (1 thread)");
+    println!("stream triad {triad:.1} GB/s (1 thread)");
+    println!("kernels: {}", matmul_kernel());
+}
+
+fn kernels(c: &mut Criterion) {
+    stream();
+    for (name, rows, cols) in [("expert", 1024, 2048), ("lm-head", 50304, 2048)] {
+        let w = weights(rows * cols);
+        for format in FORMATS {
+            let m = PackedMatrix::encode(&w, rows, cols, format).unwrap();
+            let bytes = m.view().stored_bytes() as u64;
+            let mut group = c.benchmark_group(format!("{name} [{rows}x{cols}] {}", format.name()));
+            group.throughput(Throughput::Bytes(bytes));
+            if name == "lm-head" {
+                group.sample_size(10);
+            }
+            for n in [1usize, 64] {
+                if name == "lm-head" && n > 1 {
+                    continue;
+                }
+                let x = weights(n * cols);
+                let mut out = vec![0f32; n * rows];
+                let label = if n == 1 { "gemv" } else { "gemm-64" };
+                group.bench_function(BenchmarkId::new(label, n), |b| {
+                    b.iter(|| matmul(black_box(&x), n, m.view(), &mut out).unwrap())
+                });
+            }
+            group.finish();
+        }
+    }
+}
+
+criterion_group!(benches, kernels);
+criterion_main!(benches);
