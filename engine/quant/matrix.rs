@@ -20,9 +20,10 @@
 
 use std::sync::OnceLock;
 
+use half::slice::HalfFloatSliceExt;
 use tch::{Device, Kind, Tensor};
 
-use super::kernels::{self, scalar, Kernels, BLOCK};
+use super::kernels::{self, scalar, Kernels, QuantRow, BLOCK};
 use super::{dequantize_into, QuantBits};
 use crate::error::{Error, Result};
 
@@ -158,13 +159,25 @@ impl<'a> MatrixRef<'a> {
                 }
             }
             MatrixFormat::F16 => {
-                for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
-                    *o = half::f16::from_le_bytes(*b).to_f32();
+                // SAFETY: any two bytes are an f16 (little-endian, as every supported target).
+                match unsafe { data.align_to::<half::f16>() } {
+                    ([], halves, []) => halves.convert_to_f32_slice(out),
+                    _ => {
+                        for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
+                            *o = half::f16::from_le_bytes(*b).to_f32();
+                        }
+                    }
                 }
             }
             MatrixFormat::Bf16 => {
-                for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
-                    *o = half::bf16::from_le_bytes(*b).to_f32();
+                // SAFETY: any two bytes are a bf16 (little-endian, as every supported target).
+                match unsafe { data.align_to::<half::bf16>() } {
+                    ([], halves, []) => halves.convert_to_f32_slice(out),
+                    _ => {
+                        for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
+                            *o = half::bf16::from_le_bytes(*b).to_f32();
+                        }
+                    }
                 }
             }
         }
@@ -287,7 +300,12 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
 /// weights (codes in the order the kernels decode weights, see [`kernels::block_order`]).
 pub(crate) enum Activations<'x> {
     Float(&'x [f32]),
-    Int8 { codes: Vec<i8>, scales: Vec<f32> },
+    Int8 {
+        codes: Vec<i8>,
+        scales: Vec<f32>,
+        /// Per row, see [`kernels::QuantRow::offset`].
+        offsets: Vec<f32>,
+    },
 }
 
 impl Activations<'_> {
@@ -297,14 +315,28 @@ impl Activations<'_> {
                 let blocks = cols.div_ceil(BLOCK);
                 let mut codes = vec![0i8; n * blocks * BLOCK];
                 let mut scales = vec![0f32; n * blocks];
-                for ((row, c), s) in x
+                let mut offsets = vec![0f32; n];
+                let z = kernels::zero_point(bits) as f32;
+                let full = cols / BLOCK;
+                for (((row, c), s), offset) in x
                     .chunks_exact(cols)
                     .zip(codes.chunks_exact_mut(blocks * BLOCK))
                     .zip(scales.chunks_exact_mut(blocks))
+                    .zip(offsets.iter_mut())
                 {
                     scalar::quantize_activations(row, bits, c, s);
+                    let block_sum = |b: &[i8]| b.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
+                    *offset = z * c[..full * BLOCK]
+                        .chunks_exact(BLOCK)
+                        .zip(s.iter())
+                        .map(|(block, d)| d * block_sum(block))
+                        .sum::<f32>();
                 }
-                Activations::Int8 { codes, scales }
+                Activations::Int8 {
+                    codes,
+                    scales,
+                    offsets,
+                }
             }
             _ => Activations::Float(x),
         }
@@ -389,13 +421,23 @@ fn row_dots(
 ) {
     let row = w.row(r);
     match (w.format, acts) {
-        (MatrixFormat::Quant(bits), Activations::Int8 { codes, scales }) => {
+        (
+            MatrixFormat::Quant(bits),
+            Activations::Int8 {
+                codes,
+                scales,
+                offsets,
+            },
+        ) => {
             let blocks = cols.div_ceil(BLOCK);
             let scale = w.scales[r];
             for (i, y) in y.iter_mut().enumerate() {
-                let xc = &codes[i * blocks * BLOCK..(i + 1) * blocks * BLOCK];
-                let xs = &scales[i * blocks..(i + 1) * blocks];
-                *y = scale * (k.dot_quant)(row, bits, cols, xc, xs);
+                let x = QuantRow {
+                    codes: &codes[i * blocks * BLOCK..(i + 1) * blocks * BLOCK],
+                    scales: &scales[i * blocks..(i + 1) * blocks],
+                    offset: offsets[i],
+                };
+                *y = scale * (k.dot_quant)(row, bits, cols, &x);
             }
         }
         (MatrixFormat::F16, Activations::Float(x)) => {

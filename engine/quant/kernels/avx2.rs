@@ -84,7 +84,7 @@ fn store16(codes: __m128i, s: __m256, o: &mut [f32; 16]) {
 
 // ---- dot products (AVX2 + FMA + F16C) ----
 
-use super::{scalar as reference, Kernels, BLOCK};
+use super::{scalar as reference, Kernels, QuantRow, BLOCK};
 
 /// Whether this CPU runs [`KERNELS`].
 pub(crate) fn supported() -> bool {
@@ -96,19 +96,10 @@ pub(crate) fn supported() -> bool {
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx2",
     // SAFETY (all three): this set is only chosen when `supported()` said yes.
-    dot_quant: |row, bits, cols, codes, scales| unsafe {
-        dot_quant(row, bits, cols, codes, scales)
-    },
+    dot_quant: |row, bits, cols, x| unsafe { dot_quant(row, bits, cols, x) },
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
 };
-
-#[target_feature(enable = "avx2,fma")]
-fn load256(bytes: &[u8]) -> __m256i {
-    assert!(bytes.len() >= 32);
-    // SAFETY: 32 readable bytes (checked), unaligned load.
-    unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
-}
 
 #[target_feature(enable = "avx2,fma")]
 fn load128(bytes: &[u8]) -> __m128i {
@@ -144,52 +135,61 @@ fn block_products(w: __m256i, x: __m256i) -> __m256i {
     )
 }
 
+/// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
+/// codes made unsigned (`code + z`, one XOR) for `maddubs` directly, `z × Σx` subtracted once
+/// per row (`x.offset`). Two accumulators alternate so the FMAs do not wait on each other.
 #[target_feature(enable = "avx2,fma")]
-fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
+fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
     let full = cols / BLOCK;
     let block_bytes = BLOCK * bits.bits() as usize / 8;
-    // SAFETY: i8 and u8 have the same layout.
-    let xb: &[u8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), codes.len()) };
-    let mut acc = _mm256_setzero_ps();
-    for (b, (w, &d)) in row
-        .chunks_exact(block_bytes)
-        .zip(scales)
-        .take(full)
-        .enumerate()
-    {
-        let w = match bits {
-            QuantBits::Int8 => load256(w),
-            QuantBits::Int4 => {
-                let v = load128(w);
-                let mask = _mm_set1_epi8(0x0f);
-                let lo = _mm_and_si128(v, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-                let sign = _mm256_setr_epi8(
-                    0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7,
-                    -8, -7, -6, -5, -4, -3, -2, -1,
-                );
-                _mm256_shuffle_epi8(sign, _mm256_set_m128i(hi, lo))
+    assert!(row.len() >= full * block_bytes && x.codes.len() >= full * BLOCK);
+    assert!(x.scales.len() >= full);
+    let w = row.as_ptr();
+    let xs = x.codes.as_ptr();
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    // SAFETY (every load below): block `b < full` reads bytes `b × block_bytes ..` of `row` and
+    // codes `b × 32 .. b × 32 + 32`, inside the lengths asserted above.
+    let xv = |b: usize| unsafe { _mm256_loadu_si256(xs.add(b * BLOCK).cast()) };
+    match bits {
+        QuantBits::Int8 => {
+            for b in 0..full {
+                let wv = unsafe { _mm256_loadu_si256(w.add(b * 32).cast()) };
+                let p = _mm256_cvtepi32_ps(block_products(wv, xv(b)));
+                acc[b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(x.scales[b]), acc[b & 1]);
             }
-            QuantBits::Int2 => {
-                let v = i64::from_le_bytes(w[..8].try_into().expect("8 bytes"));
+        }
+        QuantBits::Int4 => {
+            let mask = _mm256_set1_epi8(0x0f);
+            let flip = _mm256_set1_epi8(0x08);
+            for b in 0..full {
+                let v = unsafe { _mm_loadu_si128(w.add(b * 16).cast()) };
+                let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+                let u = _mm256_xor_si256(_mm256_and_si256(both, mask), flip);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones);
+                let p = _mm256_cvtepi32_ps(p);
+                acc[b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(x.scales[b]), acc[b & 1]);
+            }
+        }
+        QuantBits::Int2 => {
+            let mask = _mm256_set1_epi8(0x03);
+            let flip = _mm256_set1_epi8(0x02);
+            for b in 0..full {
+                let v = i64::from_le_bytes(unsafe { w.add(b * 8).cast::<[u8; 8]>().read() });
                 let v = _mm_set1_epi64x(v);
                 let f01 = _mm_srlv_epi64(v, _mm_set_epi64x(2, 0));
                 let f23 = _mm_srlv_epi64(v, _mm_set_epi64x(6, 4));
-                let fields = _mm256_and_si256(_mm256_set_m128i(f23, f01), _mm256_set1_epi8(3));
-                let sign = _mm256_setr_epi8(
-                    0, 1, -2, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -2, -1, 0, 0, 0, 0, 0,
-                    0, 0, 0, 0, 0, 0, 0,
-                );
-                _mm256_shuffle_epi8(sign, fields)
+                let fields = _mm256_and_si256(_mm256_set_m128i(f23, f01), mask);
+                let u = _mm256_xor_si256(fields, flip);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones);
+                let p = _mm256_cvtepi32_ps(p);
+                acc[b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(x.scales[b]), acc[b & 1]);
             }
-        };
-        let x = load256(&xb[b * BLOCK..]);
-        let sums = _mm256_cvtepi32_ps(block_products(w, x));
-        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(d), acc);
+        }
     }
-    let mut sum = hsum(acc);
+    let mut sum = hsum(_mm256_add_ps(acc[0], acc[1])) - x.offset;
     if full * BLOCK < cols {
-        sum += scales[full] * reference::block_sum(row, bits, cols, full, codes) as f32;
+        sum += x.scales[full] * reference::block_sum(row, bits, cols, full, x.codes) as f32;
     }
     sum
 }

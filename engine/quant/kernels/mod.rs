@@ -36,8 +36,29 @@ pub(crate) fn block_order(bits: QuantBits, i: usize) -> usize {
     }
 }
 
+/// One activation row rounded to INT8 blocks, for a weight format.
+pub(crate) struct QuantRow<'a> {
+    /// Codes in [`block_order`] for the weights' bits, zero past the row's end.
+    pub codes: &'a [i8],
+    /// One per block.
+    pub scales: &'a [f32],
+    /// `z × Σ_b scales[b] × Σ_{i∈b} codes[i]` over the whole blocks, with `z` the zero point of
+    /// unsigned weight codes (8 for INT4, 2 for INT2, 0 for INT8): kernels that multiply
+    /// `code + z` (unsigned, for `maddubs`) subtract it once per row.
+    pub offset: f32,
+}
+
+/// Zero point the AVX2 kernels add to INT4/INT2 codes to make them unsigned.
+pub(crate) fn zero_point(bits: QuantBits) -> i32 {
+    match bits {
+        QuantBits::Int8 => 0,
+        QuantBits::Int4 => 8,
+        QuantBits::Int2 => 2,
+    }
+}
+
 /// `Σ_b x_scale[b] × Σ_{i∈b} w[i] · x_q[i]` over a packed integer row of `cols` values.
-pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &[i8], &[f32]) -> f32;
+pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &QuantRow<'_>) -> f32;
 /// `Σ_i w[i] · x[i]` over a stored 16-bit float row.
 pub(crate) type DotHalf = fn(&[u8], &[f32]) -> f32;
 

@@ -105,9 +105,7 @@ pub(crate) fn dotprod_supported() -> bool {
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "neon",
     // SAFETY (all): NEON is part of the aarch64 baseline.
-    dot_quant: |row, bits, cols, codes, scales| unsafe {
-        dot_quant(row, bits, cols, codes, scales)
-    },
+    dot_quant: |row, bits, cols, x| unsafe { dot_quant(row, bits, cols, x.codes, x.scales) },
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
 };
@@ -115,9 +113,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
 pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     name: "neon-dotprod",
     // SAFETY: this set is only chosen when `dotprod_supported()` said yes.
-    dot_quant: |row, bits, cols, codes, scales| unsafe {
-        dot_quant_sdot(row, bits, cols, codes, scales)
-    },
+    dot_quant: |row, bits, cols, x| unsafe { dot_quant_sdot(row, bits, cols, x.codes, x.scales) },
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
 };

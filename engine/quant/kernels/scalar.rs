@@ -2,7 +2,7 @@
 //! dot products (others match its integer block sums exactly, its float sums within rounding).
 //! They are also the SIMD kernels' tails, for the part of a row that does not fill a step.
 
-use super::{block_order, BLOCK};
+use super::{block_order, QuantRow, BLOCK};
 use crate::quant::QuantBits;
 
 /// Runs `row_kernel(codes, scale, bits, out_row)` on every row of a checked matrix.
@@ -112,16 +112,10 @@ pub(crate) fn block_sum(row: &[u8], bits: QuantBits, cols: usize, b: usize, code
         .sum()
 }
 
-/// The reference [`super::DotQuant`].
-pub(crate) fn dot_quant(
-    row: &[u8],
-    bits: QuantBits,
-    cols: usize,
-    codes: &[i8],
-    scales: &[f32],
-) -> f32 {
+/// The reference [`super::DotQuant`] (signed codes: the row's offset is not used).
+pub(crate) fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
     (0..cols.div_ceil(BLOCK)).fold(0f32, |sum, b| {
-        sum + scales[b] * block_sum(row, bits, cols, b, codes) as f32
+        sum + x.scales[b] * block_sum(row, bits, cols, b, x.codes) as f32
     })
 }
 
