@@ -1,10 +1,11 @@
 //! Weight files: the one place that memory-maps, reading safetensors files (a Hugging Face
 //! checkpoint, single or sharded, or a bundle's `resident.safetensors`).
 //!
-//! Resident weights are *copied* out of the map into owned f32 tensors at load time: the engine
-//! computes in f32, the copy lets the map (and its page-cache pages) go once loading is done, and
-//! owned anonymous memory is never evicted by the kernel the way clean file-backed pages are
-//! (boards run without swap, so resident weights stay in RAM).
+//! Resident weights are *copied* out of the map at load time, f32 tensors as f32 and f16/bf16/INT8
+//! matrices in their stored form ([`TensorLoader::take_stored`]): the copy lets the map (and its
+//! page-cache pages) go once loading is done, and owned anonymous memory is never evicted by the
+//! kernel the way clean file-backed pages are (boards run without swap, so resident weights stay
+//! in RAM).
 //!
 //! A model takes its weights through a [`TensorLoader`], which exists only inside
 //! [`WeightFiles::load_all`]: once the model has taken what it needs, a tensor left in the

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# ROUGE of the demo model (switch-samsum-tiny, ../shared) on SAMSum test at every resident width
+# and at INT8/INT4 experts, against the f32 reference (issue 11: where quantizing the non-expert
+# weights starts to hurt). Each bundle is converted from the checkpoint and run with
+# `edgemoe eval --mode io-free` (all experts in memory) on the first N dialogues.
+# Usage: benches/widths_rouge.sh [N=200] [OUT_DIR=target/widths]   (after ./setup.sh)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+n="${1:-200}"
+out="${2:-target/widths}"
+bin="$root/target/release/edgemoe"
+ckpt="$root/../shared/models/switch-samsum-tiny"
+data="$root/../shared/data/samsum/test.jsonl"
+cargo build --release --quiet
+mkdir -p "$out"
+# experts (--bits) | resident (--resident)
+runs=("f32 f32" "f16 f16" "bf16 bf16" "f32 int8" "8 f32" "4 f32" "8 int8" "4 int8")
+for run in "${runs[@]}"; do
+  read -r bits resident <<<"$run"
+  b="$out/e$bits-r$resident"
+  [ -f "$b/config.json" ] || "$bin" convert --hf "$ckpt" --out "$b" --bits "$bits" --resident "$resident" >/dev/null
+  "$bin" eval --model "$b" --data "$data" --limit "$n" --mode io-free --threads 1 --json \
+    --predictions "$out/e$bits-r$resident.txt" > "$out/e$bits-r$resident.json"
+done
+python3 - "$out" "$n" "${runs[@]}" <<'PY'
+import json, sys
+out, n, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+ref = open(f"{out}/ef32-rf32.txt").read().splitlines()
+print(f"SAMSum test, first {n} dialogues, greedy/beam as the model's generation config, io-free, 1 thread")
+print(f"{'experts':>7} {'resident':>8} | {'R-1':>6} {'R-2':>6} {'R-L':>6} | same text as f32 | ms/token")
+for run in runs:
+    bits, res = run.split()
+    s = json.load(open(f"{out}/e{bits}-r{res}.json"))
+    r = s["rouge"]
+    pred = open(f"{out}/e{bits}-r{res}.txt").read().splitlines()
+    same = sum(a == b for a, b in zip(pred, ref))
+    print(f"{bits:>7} {res:>8} | {100*r['rouge1']['fmeasure']:6.2f} {100*r['rouge2']['fmeasure']:6.2f} "
+          f"{100*r['rouge_l']['fmeasure']:6.2f} | {same:4d}/{len(ref)} | {s['run']['decode_ms_per_token']:.2f}")
+PY
