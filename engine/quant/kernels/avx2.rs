@@ -137,7 +137,10 @@ fn block_products(w: __m256i, x: __m256i) -> __m256i {
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
 /// codes made unsigned (`code + z`, one XOR) for `maddubs` directly, `z × Σx` subtracted once
-/// per row (`x.offset`). Two accumulators alternate so the FMAs do not wait on each other.
+/// per row (`x.offset`).
+/// How far ahead of the block being computed a row's bytes are prefetched.
+const PREFETCH_AHEAD: usize = 2048;
+
 #[target_feature(enable = "avx2,fma")]
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
     let full = cols / BLOCK;
@@ -147,47 +150,69 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 
     let w = row.as_ptr();
     let xs = x.codes.as_ptr();
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); 2];
-    // SAFETY (every load below): block `b < full` reads bytes `b × block_bytes ..` of `row` and
-    // codes `b × 32 .. b × 32 + 32`, inside the lengths asserted above.
+    // SAFETY (every load below): block `b < full` reads bytes `b × block_bytes ..` of `row`,
+    // codes `b × 32 .. b × 32 + 32` and scale `b`, inside the lengths asserted above.
     let xv = |b: usize| unsafe { _mm256_loadu_si256(xs.add(b * BLOCK).cast()) };
-    match bits {
-        QuantBits::Int8 => {
-            for b in 0..full {
+    let scale = |b: usize| unsafe { _mm256_broadcast_ss(&*x.scales.as_ptr().add(b)) };
+    // Block `b`'s 8 partial sums as f32, scaled by its activation scale.
+    let block = |b: usize| -> (__m256, __m256) {
+        let sums = match bits {
+            QuantBits::Int8 => {
                 let wv = unsafe { _mm256_loadu_si256(w.add(b * 32).cast()) };
-                let p = _mm256_cvtepi32_ps(block_products(wv, xv(b)));
-                acc[b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(x.scales[b]), acc[b & 1]);
+                block_products(wv, xv(b))
             }
-        }
-        QuantBits::Int4 => {
-            let mask = _mm256_set1_epi8(0x0f);
-            let flip = _mm256_set1_epi8(0x08);
-            for b in 0..full {
+            QuantBits::Int4 => {
                 let v = unsafe { _mm_loadu_si128(w.add(b * 16).cast()) };
                 let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-                let u = _mm256_xor_si256(_mm256_and_si256(both, mask), flip);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones);
-                let p = _mm256_cvtepi32_ps(p);
-                acc[b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(x.scales[b]), acc[b & 1]);
+                let u = _mm256_xor_si256(
+                    _mm256_and_si256(both, _mm256_set1_epi8(0x0f)),
+                    _mm256_set1_epi8(0x08),
+                );
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones)
             }
-        }
-        QuantBits::Int2 => {
-            let mask = _mm256_set1_epi8(0x03);
-            let flip = _mm256_set1_epi8(0x02);
-            for b in 0..full {
+            QuantBits::Int2 => {
                 let v = i64::from_le_bytes(unsafe { w.add(b * 8).cast::<[u8; 8]>().read() });
                 let v = _mm_set1_epi64x(v);
                 let f01 = _mm_srlv_epi64(v, _mm_set_epi64x(2, 0));
                 let f23 = _mm_srlv_epi64(v, _mm_set_epi64x(6, 4));
-                let fields = _mm256_and_si256(_mm256_set_m128i(f23, f01), mask);
-                let u = _mm256_xor_si256(fields, flip);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones);
-                let p = _mm256_cvtepi32_ps(p);
-                acc[b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(x.scales[b]), acc[b & 1]);
+                let fields = _mm256_and_si256(_mm256_set_m128i(f23, f01), _mm256_set1_epi8(0x03));
+                let u = _mm256_xor_si256(fields, _mm256_set1_epi8(0x02));
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones)
             }
+        };
+        (_mm256_cvtepi32_ps(sums), scale(b))
+    };
+    // Four independent accumulators (named, so they stay in registers): the FMA chains of
+    // consecutive blocks do not wait on each other.
+    let (mut a0, mut a1, mut a2, mut a3) = (
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+    );
+    let quads = full / 4 * 4;
+    for b in (0..quads).step_by(4) {
+        // The next rows of a large matrix are far from the caches: ask for them early.
+        let ahead = (b + 4) * block_bytes + PREFETCH_AHEAD;
+        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead).cast());
+        if block_bytes == 32 {
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + 64).cast());
         }
+        let (p, s) = block(b);
+        a0 = _mm256_fmadd_ps(p, s, a0);
+        let (p, s) = block(b + 1);
+        a1 = _mm256_fmadd_ps(p, s, a1);
+        let (p, s) = block(b + 2);
+        a2 = _mm256_fmadd_ps(p, s, a2);
+        let (p, s) = block(b + 3);
+        a3 = _mm256_fmadd_ps(p, s, a3);
     }
-    let mut sum = hsum(_mm256_add_ps(acc[0], acc[1])) - x.offset;
+    for b in quads..full {
+        let (p, s) = block(b);
+        a0 = _mm256_fmadd_ps(p, s, a0);
+    }
+    let total = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    let mut sum = hsum(total) - x.offset;
     if full * BLOCK < cols {
         sum += x.scales[full] * reference::block_sum(row, bits, cols, full, x.codes) as f32;
     }
@@ -200,6 +225,8 @@ fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m128i) -> __m256) -> f32 {
     let steps = x.len() / 32;
     let mut acc = [_mm256_setzero_ps(); 4];
     for s in 0..steps {
+        let ahead = row.as_ptr().wrapping_add(s * 64 + PREFETCH_AHEAD);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
         let w = &row[s * 64..s * 64 + 64];
         let xs = &x[s * 32..s * 32 + 32];
         for (j, a) in acc.iter_mut().enumerate() {
