@@ -46,8 +46,7 @@ pub fn read_input(input: &str) -> Result<(String, String)> {
 }
 
 /// Compute threads unless a flag or profile says otherwise: one core is left to the prefetch
-/// thread and the OS. More libtorch (OpenMP) threads than free cores make them spin against
-/// each other: measured here, 2 threads on 2 busy cores decoded 5–15× slower than 1.
+/// thread and the OS (the rayon pool of `quant::parallel`; libtorch itself runs on one thread).
 pub fn default_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     cores.saturating_sub(1).max(1)
@@ -185,10 +184,7 @@ impl CacheArgs {
             .threads
             .map(usize::from)
             .or(profile.as_ref().map(|p| p.threads.min(default_threads())));
-        if let Some(threads) = threads {
-            tch::set_num_threads(threads as i32);
-        }
-        edgemoe::quant::matrix::set_compute_threads(threads.unwrap_or_else(default_threads));
+        edgemoe::quant::parallel::set_compute_threads(threads.unwrap_or_else(default_threads));
         let budget_bytes = self
             .budget
             .or(profile.as_ref().map(|p| p.budget_bytes))

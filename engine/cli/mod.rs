@@ -59,7 +59,9 @@ enum Command {
 }
 
 pub fn run(cli: Cli) -> Result<()> {
-    tch::set_num_threads(args::default_threads() as i32);
+    // The engine's own pool runs every matrix product (`quant::parallel`); libtorch's OpenMP
+    // threads would only spin beside it.
+    tch::set_num_threads(1);
     match cli.command {
         Command::Convert(args) => convert::run(args),
         Command::Summarize(args) => summarize::run(args),

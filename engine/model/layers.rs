@@ -8,7 +8,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::quant::matrix::{matmul, MatrixRef, PackedMatrix};
+use crate::quant::matrix::{matmul, MatrixFormat, MatrixRef, PackedMatrix};
 
 /// `SwitchTransformersLayerNorm`: RMS norm, no mean subtraction, no bias.
 pub struct RmsNorm {
@@ -125,7 +125,17 @@ pub fn linear(x: &Tensor, weight: &Weight<'_>) -> Result<Tensor> {
 /// `nn.Linear` with an optional bias.
 pub fn linear_bias(x: &Tensor, weight: &Weight<'_>, bias: Option<&Tensor>) -> Result<Tensor> {
     match (weight, weight.stored()) {
-        (Weight::Tensor(w), _) => Ok(x.f_linear(w, bias)?),
+        (Weight::Tensor(w), _) => match f32_cpu_matrix(w)? {
+            // On the CPU through the engine's compute threads (libtorch runs single-threaded).
+            Some(m) => {
+                let y = stored_linear(x, m)?;
+                Ok(match bias {
+                    Some(b) => y.f_add(b)?,
+                    None => y,
+                })
+            }
+            None => Ok(x.f_linear(w, bias)?),
+        },
         (_, Some(m)) => {
             let y = stored_linear(x, m)?;
             Ok(match bias {
@@ -135,6 +145,29 @@ pub fn linear_bias(x: &Tensor, weight: &Weight<'_>, bias: Option<&Tensor>) -> Re
         }
         _ => unreachable!("every non-tensor weight has a stored matrix"),
     }
+}
+
+/// A contiguous 2-D f32 CPU tensor seen as an f32 [`MatrixRef`] (borrowing its memory).
+fn f32_cpu_matrix(w: &Tensor) -> Result<Option<MatrixRef<'_>>> {
+    if w.device() != Device::Cpu
+        || w.kind() != Kind::Float
+        || w.dim() != 2
+        || !w.is_contiguous()
+        || w.numel() == 0
+    {
+        return Ok(None);
+    }
+    let (rows, cols) = (w.size()[0] as usize, w.size()[1] as usize);
+    // SAFETY: a contiguous f32 CPU tensor of rows × cols values, borrowed for as long as `w`
+    // (weights are never written while the model runs).
+    let data = unsafe { std::slice::from_raw_parts(w.data_ptr() as *const u8, rows * cols * 4) };
+    Ok(Some(MatrixRef::new(
+        MatrixFormat::F32,
+        rows,
+        cols,
+        data,
+        &[],
+    )?))
 }
 
 /// `x` `[.., cols]` · `mᵀ` → `[.., rows]` by the quantized kernels (x as f32 on the CPU).

@@ -10,20 +10,22 @@
 //! - **GEMM** (prefill, the encoder): tiles of [`TILE_ROWS`] weight rows are dequantized into a
 //!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place).
 //!
-//! Work is split by weight rows over the compute threads ([`set_compute_threads`]); the GEMM path
-//! uses libtorch's threads.
+//! Both paths split their work over the compute threads of [`super::parallel`] (GEMV: tasks of
+//! weight rows; GEMM: tiles), with libtorch itself on one thread. Tiles are the same at every
+//! thread count, so no result depends on the number of threads.
 //!
 //! Kernels ([`super::kernels`]) are a scalar reference and AVX2+FMA (x86_64, detected at run
 //! time) or NEON (aarch64, ARMv8.0; `dotprod` when the CPU reports it). Integer kernels agree
 //! with the reference exactly on every block's integer sum; their float sums may be added in
 //! another order (pinned tolerance in the tests).
 
-use std::sync::OnceLock;
+use std::sync::Mutex;
 
 use half::slice::HalfFloatSliceExt;
 use tch::{Device, Kind, Tensor};
 
 use super::kernels::{self, scalar, Kernels, QuantRow, BLOCK};
+use super::parallel;
 use super::{dequantize_into, QuantBits};
 use crate::error::{Error, Result};
 
@@ -269,33 +271,6 @@ impl PackedMatrix {
     }
 }
 
-static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-
-/// Sets the number of threads the GEMV kernels split rows over (once per process; later calls
-/// are ignored). Without a call they run on the calling thread: libtorch's OpenMP threads spin
-/// for a while after each of its ops, and a second pool beside them is only worth it when the
-/// caller knows the cores are free (the CLI passes its compute threads, which leave a core to
-/// the prefetch thread).
-pub fn set_compute_threads(threads: usize) {
-    POOL.get_or_init(|| build_pool(threads));
-}
-
-fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
-    (threads > 1)
-        .then(|| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(|i| format!("edgemoe-compute-{i}"))
-                .build()
-                .ok()
-        })
-        .flatten()
-}
-
-fn pool() -> Option<&'static rayon::ThreadPool> {
-    POOL.get_or_init(|| None).as_ref()
-}
-
 /// Activation rows prepared for one weight format: f32 as given, or INT8 blocks for integer
 /// weights (codes in the order the kernels decode weights, see [`kernels::block_order`]).
 pub(crate) enum Activations<'x> {
@@ -389,15 +364,18 @@ pub(crate) fn gemv(
             row_dots(k, &w, r, &acts, cols, y);
         }
     };
-    match pool() {
-        Some(pool) if rows * cols >= PARALLEL_MIN_WEIGHTS => pool.install(|| {
-            use rayon::prelude::*;
-            target
-                .par_chunks_mut(ROWS_PER_TASK * n)
-                .enumerate()
-                .for_each(|(t, dst)| task(t * ROWS_PER_TASK, dst));
-        }),
-        _ => task(0, target),
+    if rows * cols >= PARALLEL_MIN_WEIGHTS {
+        // One task per ROWS_PER_TASK rows, each writing its own chunk of `target`.
+        let chunks: Vec<Mutex<&mut [f32]>> = target
+            .chunks_mut(ROWS_PER_TASK * n)
+            .map(Mutex::new)
+            .collect();
+        parallel::for_each_task(chunks.len(), &|t| {
+            let mut dst = chunks[t].lock().unwrap_or_else(|e| e.into_inner());
+            task(t * ROWS_PER_TASK, &mut dst)
+        });
+    } else {
+        task(0, target);
     }
     if n > 1 {
         for (r, ys) in by_row.chunks_exact(n).enumerate() {
@@ -459,33 +437,73 @@ fn row_dots(
     }
 }
 
-/// The GEMM path: libtorch's GEMM on f32 weights in place, or on dequantized row tiles.
+/// The GEMM path: libtorch's GEMM (single-threaded, see [`super::parallel`]) on tiles of
+/// [`TILE_ROWS`] weight rows, spread over the compute threads: f32 tiles are used in place,
+/// others are dequantized into a per-thread scratch first. Each task writes its own columns of
+/// `out`.
 fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
-    // SAFETY: the views below are dropped before this function returns, while `x`, `out` and
-    // `w.data` are borrowed; their lengths were checked against the shapes.
-    let view = |ptr: *const f32, shape: &[i64]| unsafe {
-        Tensor::f_from_blob(ptr.cast(), shape, &[], Kind::Float, Device::Cpu)
-    };
-    let xt = view(x.as_ptr(), &[n as i64, cols as i64])?;
-    let ot = view(out.as_mut_ptr(), &[n as i64, rows as i64])?;
-    if w.format == MatrixFormat::F32 && (w.data.as_ptr() as usize).is_multiple_of(4) {
-        let wt = view(w.data.as_ptr().cast(), &[rows as i64, cols as i64])?;
-        let _ = xt.f_mm_out(&ot, &wt.f_tr()?)?;
-        return Ok(());
-    }
+    let in_place = w.format == MatrixFormat::F32 && (w.data.as_ptr() as usize).is_multiple_of(4);
+    // The same tiles at every thread count: libtorch's GEMM rounds differently for different
+    // shapes, and a run's output must not depend on `--threads`.
     let tile_rows = TILE_ROWS.min(rows);
-    let mut tile = vec![0f32; tile_rows * cols];
-    for start in (0..rows).step_by(tile_rows) {
-        let end = (start + tile_rows).min(rows);
-        let tile = &mut tile[..(end - start) * cols];
-        w.dequantize_rows(start, end, tile)?;
-        let wt = view(tile.as_ptr(), &[(end - start) as i64, cols as i64])?;
-        let product = xt.f_mm(&wt.f_tr()?)?;
-        ot.f_narrow(1, start as i64, (end - start) as i64)?
-            .f_copy_(&product)?;
+    let tasks = rows.div_ceil(tile_rows);
+    // Addresses, not references: the tasks build their own tensor views from them.
+    let (x_at, out_at) = (x.as_ptr() as usize, out.as_mut_ptr() as usize);
+    let failure = Mutex::new(None);
+    parallel::for_each_task(tasks, &|t| {
+        let (start, end) = (t * tile_rows, ((t + 1) * tile_rows).min(rows));
+        // SAFETY: `x` and `out` outlive every task (for_each_task returns after all of them),
+        // their lengths were checked against the shapes, and task `t` writes only columns
+        // `start..end` of `out`, which no other task touches.
+        let view = |at: usize, shape: &[i64]| unsafe {
+            Tensor::f_from_blob(at as *const u8, shape, &[], Kind::Float, Device::Cpu)
+        };
+        let run = || -> Result<()> {
+            let xt = view(x_at, &[n as i64, cols as i64])?;
+            let ot = view(out_at, &[n as i64, rows as i64])?;
+            let product = |weights: &[f32]| -> Result<()> {
+                let wt = view(
+                    weights.as_ptr() as usize,
+                    &[(end - start) as i64, cols as i64],
+                )?;
+                if start == 0 && end == rows {
+                    let _ = xt.f_mm_out(&ot, &wt.f_tr()?)?;
+                } else {
+                    let product = xt.f_mm(&wt.f_tr()?)?;
+                    ot.f_narrow(1, start as i64, (end - start) as i64)?
+                        .f_copy_(&product)?;
+                }
+                Ok(())
+            };
+            if in_place {
+                let bytes = &w.data[start * cols * 4..end * cols * 4];
+                // SAFETY: 4-byte aligned (checked above), whole f32 values.
+                let weights = unsafe {
+                    std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4)
+                };
+                return product(weights);
+            }
+            SCRATCH.with_borrow_mut(|scratch| {
+                scratch.resize(TILE_ROWS * cols, 0.0);
+                let tile = &mut scratch[..(end - start) * cols];
+                w.dequantize_rows(start, end, tile)?;
+                product(tile)
+            })
+        };
+        if let Err(e) = run() {
+            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        }
+    });
+    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+thread_local! {
+    /// A compute thread's dequantized GEMM tile (at most [`TILE_ROWS`] × the widest matrix).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The kernel set this CPU uses: `"avx2"`, `"neon-dotprod"`, `"neon"` or `"scalar"`.
@@ -496,6 +514,7 @@ pub fn matmul_kernel() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::parallel::set_compute_threads;
 
     struct Rng(u64);
     impl Rng {
@@ -632,6 +651,43 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The GEMM runs in tiles of [`TILE_ROWS`] weight rows spread over the compute threads, and
+    /// gives exactly what one libtorch GEMM per tile gives on one thread: tiles land in their
+    /// own columns, and nothing depends on which thread ran which tile (so no output depends on
+    /// `--threads`). Uneven last tile; one, a few and many activation rows.
+    #[test]
+    fn gemm_tiles_give_one_threads_tile_products_bit_for_bit() {
+        set_compute_threads(2);
+        let mut rng = Rng(5);
+        let (rows, cols) = (3 * TILE_ROWS + 17, 200);
+        let weights: Vec<f32> = (0..rows * cols).map(|_| rng.uniform()).collect();
+        for format in FORMATS {
+            let w = PackedMatrix::encode(&weights, rows, cols, format).unwrap();
+            let mut whole = vec![0f32; rows * cols];
+            w.view().dequantize_rows(0, rows, &mut whole).unwrap();
+            let whole = Tensor::from_slice(&whole).view([rows as i64, cols as i64]);
+            for n in [GEMM_MIN_ROWS, 37] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
+                let xt = Tensor::from_slice(&x).view([n as i64, cols as i64]);
+                let tiles: Vec<Tensor> = (0..rows)
+                    .step_by(TILE_ROWS)
+                    .map(|start| {
+                        let len = TILE_ROWS.min(rows - start) as i64;
+                        xt.mm(&whole.narrow(0, start as i64, len).tr())
+                    })
+                    .collect();
+                let want = Vec::<f32>::try_from(Tensor::cat(&tiles, 1).flatten(0, -1)).unwrap();
+                let mut got = vec![f32::NAN; n * rows];
+                matmul(&x, n, w.view(), &mut got).unwrap();
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(g, e)| g.to_bits() == e.to_bits());
+                assert!(same, "{} n={n}", format.name());
             }
         }
     }
