@@ -49,7 +49,15 @@ fn bandwidth(bytes: usize, mut f: impl FnMut()) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// STREAM copy (`a = b`, 2 arrays touched) and triad (`a = b + s·c`, 3) over 64 Mi f32 each.
+/// The aligned middle of `values` as `u64` words (the read pass only needs bits to add).
+fn as_words(values: &[f32]) -> &[u64] {
+    // SAFETY: every bit pattern is a valid u64, and `align_to` returns an aligned middle.
+    unsafe { values.align_to::<u64>().1 }
+}
+
+/// STREAM copy (`a = b`, 2 arrays touched) and triad (`a = b + s·c`, 3) over 64 Mi f32 each,
+/// and a read-only pass (a wrapping sum of `b`'s words): a GEMV only reads its weights, so the
+/// read figure is the one its bytes/s compare with.
 fn stream() {
     let n = 64 << 20;
     let mut a = vec![0f32; n];
@@ -65,12 +73,26 @@ fn stream() {
         }
         black_box(&a);
     });
+    let words = as_words(&b);
+    let read = bandwidth(8 * words.len(), || {
+        // Eight independent sums, so the adds do not wait on each other.
+        let mut sums = [0u64; 8];
+        for chunk in words.chunks_exact(8) {
+            for (s, w) in sums.iter_mut().zip(chunk) {
+                *s = s.wrapping_add(*w);
+            }
+        }
+        black_box(sums);
+    });
+    println!("stream read  {read:.1} GB/s (1 thread)");
     println!("stream copy  {copy:.1} GB/s (1 thread)");
     println!("stream triad {triad:.1} GB/s (1 thread)");
     println!("kernels: {}", matmul_kernel());
 }
 
 fn kernels(c: &mut Criterion) {
+    // One thread throughout, as the engine runs libtorch (no compute pool is set up here).
+    tch::set_num_threads(1);
     stream();
     for (name, rows, cols) in [("expert", 1024, 2048), ("lm-head", 50304, 2048)] {
         let w = weights(rows * cols);

@@ -3,7 +3,8 @@
 //!
 //! Two paths, chosen by the number of activation rows `n`:
 //! - **GEMV** (`n` < [`GEMM_MIN_ROWS`]: decode steps, beams): each weight row is read once and
-//!   dotted with every activation row in registers. Float formats take f32 activations and
+//!   dotted with every activation row in registers. Float formats (f32 included) take f32
+//!   activations and
 //!   accumulate with FMA. Integer formats quantize each activation row to INT8 in blocks of 32
 //!   (one f32 scale per block, as llama.cpp's Q8_0) and take integer dot products per block:
 //!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
@@ -335,7 +336,7 @@ pub fn matmul(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<
         out.fill(0.0);
         return Ok(());
     }
-    if n >= GEMM_MIN_ROWS || w.format == MatrixFormat::F32 {
+    if n >= GEMM_MIN_ROWS {
         return gemm(x, n, w, out);
     }
     gemv(x, n, w, out, kernels::best())
@@ -430,7 +431,7 @@ fn row_dots(
         }
         (MatrixFormat::F32, Activations::Float(x)) => {
             for (i, y) in y.iter_mut().enumerate() {
-                *y = scalar::dot_f32(row, &x[i * cols..(i + 1) * cols]);
+                *y = (k.dot_f32)(row, &x[i * cols..(i + 1) * cols]);
             }
         }
         _ => unreachable!("activations are prepared for the weight format"),

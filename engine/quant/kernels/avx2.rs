@@ -95,10 +95,11 @@ pub(crate) fn supported() -> bool {
 
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx2",
-    // SAFETY (all three): this set is only chosen when `supported()` said yes.
+    // SAFETY (all four): this set is only chosen when `supported()` said yes.
     dot_quant: |row, bits, cols, x| unsafe { dot_quant(row, bits, cols, x) },
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+    dot_f32: |row, x| unsafe { dot_f32(row, x) },
 };
 
 #[target_feature(enable = "avx2,fma")]
@@ -249,4 +250,26 @@ fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     dot_half(row, x, |h| {
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
     }) + reference::dot_bf16(&row[head * 2..], &x[head..])
+}
+
+/// f32 rows: 32 values per step in four accumulators, the rest scalar.
+#[target_feature(enable = "avx2,fma")]
+fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+    let steps = x.len() / 32;
+    assert!(row.len() >= steps * 128);
+    let w = row.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for s in 0..steps {
+        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(s * 128 + PREFETCH_AHEAD).cast());
+        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(s * 128 + 64 + PREFETCH_AHEAD).cast());
+        let xs = &x[s * 32..s * 32 + 32];
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: 32 bytes from `(s × 32 + j × 8) × 4`, inside the length asserted above.
+            let wv = unsafe { _mm256_loadu_ps(w.add((s * 32 + j * 8) * 4).cast()) };
+            *a = _mm256_fmadd_ps(wv, load_f32x8(&xs[j * 8..]), *a);
+        }
+    }
+    let head = steps * 32;
+    let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    hsum(total) + reference::dot_f32(&row[head * 4..], &x[head..])
 }

@@ -59,15 +59,16 @@ pub(crate) fn zero_point(bits: QuantBits) -> i32 {
 
 /// `Σ_b x_scale[b] × Σ_{i∈b} w[i] · x_q[i]` over a packed integer row of `cols` values.
 pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &QuantRow<'_>) -> f32;
-/// `Σ_i w[i] · x[i]` over a stored 16-bit float row.
-pub(crate) type DotHalf = fn(&[u8], &[f32]) -> f32;
+/// `Σ_i w[i] · x[i]` over a stored float row (16-bit, or f32 for [`Kernels::dot_f32`]).
+pub(crate) type DotFloat = fn(&[u8], &[f32]) -> f32;
 
 /// One instruction set's dot-product kernels.
 pub(crate) struct Kernels {
     pub name: &'static str,
     pub dot_quant: DotQuant,
-    pub dot_f16: DotHalf,
-    pub dot_bf16: DotHalf,
+    pub dot_f16: DotFloat,
+    pub dot_bf16: DotFloat,
+    pub dot_f32: DotFloat,
 }
 
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -75,6 +76,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dot_quant: scalar::dot_quant,
     dot_f16: scalar::dot_f16,
     dot_bf16: scalar::dot_bf16,
+    dot_f32: scalar::dot_f32,
 };
 
 /// Every kernel set this CPU can run, the scalar reference first.

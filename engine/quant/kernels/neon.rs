@@ -108,6 +108,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_quant: |row, bits, cols, x| unsafe { dot_quant(row, bits, cols, x.codes, x.scales) },
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+    dot_f32: |row, x| unsafe { dot_f32(row, x) },
 };
 
 pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
@@ -116,6 +117,7 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     dot_quant: |row, bits, cols, x| unsafe { dot_quant_sdot(row, bits, cols, x.codes, x.scales) },
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+    dot_f32: |row, x| unsafe { dot_f32(row, x) },
 };
 
 #[target_feature(enable = "neon")]
@@ -279,4 +281,31 @@ fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
 fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     let head = x.len() / 16 * 16;
     dot_half(row, x, |h| bf16x4_to_f32(h)) + reference::dot_bf16(&row[head * 2..], &x[head..])
+}
+
+/// f32 rows: 16 values per step in four accumulators, the rest scalar.
+#[target_feature(enable = "neon")]
+fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+    let steps = x.len() / 16;
+    assert!(row.len() >= steps * 64);
+    let mut acc = [vdupq_n_f32(0.0); 4];
+    for s in 0..steps {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let at = s * 16 + j * 4;
+            // SAFETY: 16 bytes of `row` and 4 floats of `x` from `at` (inside the lengths);
+            // vld1q_u8 has no alignment requirement.
+            let (w, v) = unsafe {
+                (
+                    vreinterpretq_f32_u8(vld1q_u8(row.as_ptr().add(at * 4))),
+                    vld1q_f32(x.as_ptr().add(at)),
+                )
+            };
+            *a = vfmaq_f32(*a, w, v);
+        }
+    }
+    let head = steps * 16;
+    vaddvq_f32(vaddq_f32(
+        vaddq_f32(acc[0], acc[1]),
+        vaddq_f32(acc[2], acc[3]),
+    )) + reference::dot_f32(&row[head * 4..], &x[head..])
 }

@@ -119,7 +119,7 @@ pub(crate) fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'
     })
 }
 
-/// The reference [`super::DotHalf`] for f16 rows.
+/// The reference [`super::DotFloat`] for f16 rows.
 pub(crate) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
     row.as_chunks::<2>()
         .0
@@ -130,7 +130,7 @@ pub(crate) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
         })
 }
 
-/// The reference [`super::DotHalf`] for bf16 rows.
+/// The reference [`super::DotFloat`] for bf16 rows.
 pub(crate) fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     row.as_chunks::<2>()
         .0
