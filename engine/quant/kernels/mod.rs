@@ -44,7 +44,9 @@ pub(crate) struct QuantRow<'a> {
     pub scales: &'a [f32],
     /// `z × Σ_b scales[b] × Σ_{i∈b} codes[i]` over the whole blocks, with `z` the zero point of
     /// unsigned weight codes (8 for INT4, 2 for INT2, 0 for INT8): kernels that multiply
-    /// `code + z` (unsigned, for `maddubs`) subtract it once per row.
+    /// `code + z` (unsigned, for `maddubs`) subtract it once per row. (The NEON kernels take
+    /// signed codes and do not need it.)
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub offset: f32,
 }
 
