@@ -1,13 +1,15 @@
 //! The quantized GEMV/GEMM kernels (`edgemoe::quant::matrix`) in bytes of weights per second,
-//! next to this machine's memory bandwidth measured here (a STREAM-style copy and triad over
-//! arrays far larger than the caches, on one thread like the kernels below).
+//! next to this machine's memory bandwidth measured here (a STREAM-style read, copy and triad
+//! over 512 MiB arrays, on one thread like the kernels below).
 //!
 //! Shapes: an OLMoE-1B-7B expert matrix `[1024, 2048]`, and its LM head `[50304, 2048]` (the
-//! largest single matrix, 4–8× the last-level cache at every width). GEMV is one activation row
-//! (a decode step); GEMM is 64 rows (an expert's share of a 512-token prefill).
+//! largest single matrix: 412 MB at f32, 206 at f16, 103 at INT8, 52 at INT4 — far beyond a
+//! board's last-level cache, but a server's L3 can hold the smaller ones, so compare the f32 and
+//! f16 ones with the bandwidth there). GEMV is one activation row (a decode step); GEMM is 64
+//! rows (an expert's share of a 512-token prefill).
 //!
 //! `cargo bench --bench matmul` (criterion prints the throughput; the STREAM figures are printed
-//! first, as `stream copy` / `stream triad` in GB/s).
+//! first, as `stream read` / `stream copy` / `stream triad` in GB/s).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -55,11 +57,11 @@ fn as_words(values: &[f32]) -> &[u64] {
     unsafe { values.align_to::<u64>().1 }
 }
 
-/// STREAM copy (`a = b`, 2 arrays touched) and triad (`a = b + s·c`, 3) over 64 Mi f32 each,
+/// STREAM copy (`a = b`, 2 arrays touched) and triad (`a = b + s·c`, 3) over 128 Mi f32 each,
 /// and a read-only pass (a wrapping sum of `b`'s words): a GEMV only reads its weights, so the
 /// read figure is the one its bytes/s compare with.
 fn stream() {
-    let n = 64 << 20;
+    let n = 128 << 20;
     let mut a = vec![0f32; n];
     let b = vec![1f32; n];
     let c = vec![2f32; n];
