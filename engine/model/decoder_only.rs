@@ -32,6 +32,7 @@ use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
 use crate::quant::matrix::TILE_ROWS;
+use crate::quant::parallel::compute_threads;
 
 fn layer_prefix(layer: usize) -> String {
     format!("model.layers.{layer}")
@@ -502,8 +503,9 @@ impl DecoderOnlyModel {
         let caches = S(2) * n(spec.num_layers) * S(2) * kv * total;
         // Logits, their softmax and sort for sampling.
         let logits = S(4) * n(spec.vocab_size);
-        // The GEMM path's tile of dequantized weight rows (experts are never expanded whole).
-        let expert_scratch = n(TILE_ROWS) * d.max(widest_ff);
+        // The GEMM path's tile of dequantized weight rows per compute thread (experts are never
+        // expanded whole).
+        let expert_scratch = n(TILE_ROWS * compute_threads()) * d.max(widest_ff);
         (f * (prefill + caches + logits + expert_scratch)).0
     }
 }

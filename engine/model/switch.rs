@@ -18,6 +18,7 @@ use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
 use crate::quant::matrix::TILE_ROWS;
+use crate::quant::parallel::compute_threads;
 
 /// HF name of a block's FF sub-layer prefix, e.g. `decoder.block.3.layer.2`.
 fn ff_prefix(stack: Stack, block: usize) -> String {
@@ -466,8 +467,9 @@ impl SwitchModel {
         let caches = S(2) * dec_layers * beams * S(2) * inner * (tgt + src);
         // Logits and log-probabilities of every beam, plus the top-k workspace.
         let logits = S(3) * beams * n(spec.vocab_size);
-        // The GEMM path's tile of dequantized weight rows (experts are never expanded whole).
-        let expert_scratch = n(TILE_ROWS) * d.max(d_ff);
+        // The GEMM path's tile of dequantized weight rows per compute thread (experts are never
+        // expanded whole).
+        let expert_scratch = n(TILE_ROWS * compute_threads()) * d.max(d_ff);
         (f * (encoder + caches + logits + expert_scratch)).0
     }
 }
