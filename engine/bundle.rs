@@ -99,8 +99,9 @@ impl Bundle {
         let manifest = Manifest::load(dir)?;
         if let Some(m) = &manifest {
             // The expert store checks its own length against its index, naming the first
-            // expert a truncated store lacks.
-            m.check_lengths(dir, &[EXPERTS_FILE])?;
+            // expert a truncated store lacks; `paths.bin` is optional (deleting it leaves the
+            // bundle uncalibrated) and checked when loaded.
+            m.check_lengths(dir, &[EXPERTS_FILE, PATHS_FILE])?;
         }
         let config_path = dir.join(CONFIG_FILE);
         let bytes = crate::io::read_bytes(&config_path)?;
@@ -245,10 +246,19 @@ impl Bundle {
 /// How one file of a bundle fared in [`verify`].
 #[derive(Debug, Clone)]
 pub struct FileCheck {
-    /// The file (or `experts.bin: <expert>` for one blob).
+    /// The file (`experts.bin <expert>` for one damaged blob).
     pub name: String,
-    /// `Ok(what was checked)` or the failure.
-    pub outcome: std::result::Result<String, String>,
+    pub outcome: Outcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Checked and intact: what was checked.
+    Ok(String),
+    /// Nothing to check it against (no manifest): why.
+    Unchecked(String),
+    /// Damaged or missing: the error.
+    Bad(String),
 }
 
 /// Checks every file of the bundle in `dir` against its manifest and every expert blob against
@@ -265,26 +275,33 @@ pub fn verify(dir: &Path) -> Result<Vec<FileCheck>> {
         ));
     }
     let mut checks = Vec::new();
-    let mut push = |name: &str, outcome: Result<String>| {
+    let mut push = |name: &str, outcome: Outcome| {
         checks.push(FileCheck {
             name: name.to_string(),
-            outcome: outcome.map_err(|e| e.to_string()),
+            outcome,
         })
+    };
+    let checked = |r: Result<String>| match r {
+        Ok(what) => Outcome::Ok(what),
+        Err(e) => Outcome::Bad(e.to_string()),
     };
     let manifest = match Manifest::load(dir) {
         Ok(Some(m)) => {
-            push(MANIFEST_FILE, Ok(format!("{} files listed", m.files.len())));
+            push(
+                MANIFEST_FILE,
+                Outcome::Ok(format!("{} files listed", m.files.len())),
+            );
             Some(m)
         }
         Ok(None) => {
             push(
                 MANIFEST_FILE,
-                Ok("absent: a bundle written before checksums; only the expert blobs can be checked (convert the model again to add them)".into()),
+                Outcome::Unchecked("absent: a bundle written before checksums; only the expert blobs can be checked (convert the model again to add them)".into()),
             );
             None
         }
         Err(e) => {
-            push(MANIFEST_FILE, Err(e));
+            push(MANIFEST_FILE, checked(Err(e)));
             None
         }
     };
@@ -302,23 +319,28 @@ pub fn verify(dir: &Path) -> Result<Vec<FileCheck>> {
     let mut config_ok = true;
     for name in &names {
         let path = dir.join(name);
+        let exists = std::fs::symlink_metadata(&path).is_ok();
         let outcome = match &manifest {
-            Some(m) => m.check_file(dir, name).map(|()| {
+            // Without its (optional) path dictionary a bundle runs uncalibrated.
+            _ if name == PATHS_FILE && !exists => {
+                Outcome::Ok("absent: the bundle is not calibrated".into())
+            }
+            Some(m) => checked(m.check_file(dir, name).map(|()| {
                 format!(
                     "{} bytes, CRC-32 {}",
                     m.files[name].bytes, m.files[name].crc32
                 )
-            }),
-            None if path.exists() => Ok("not checked (no manifest)".into()),
-            None => Err(Error::io(
+            })),
+            None if exists => Outcome::Unchecked("no manifest to check it against".into()),
+            None => checked(Err(Error::io(
                 &path,
                 std::io::Error::new(
                     std::io::ErrorKind::NotFound,
                     "missing from the model bundle",
                 ),
-            )),
+            ))),
         };
-        config_ok &= !(name == CONFIG_FILE && outcome.is_err());
+        config_ok &= !(name == CONFIG_FILE && matches!(outcome, Outcome::Bad(_)));
         push(name, outcome);
     }
     // `experts.bin` blob by blob, as the (intact) config lays it out.
@@ -329,7 +351,7 @@ pub fn verify(dir: &Path) -> Result<Vec<FileCheck>> {
         ExpertStore::open(&dir.join(EXPERTS_FILE), &config.model.expert_layout())
     });
     match store {
-        Err(e) => push(&format!("{EXPERTS_FILE} blobs"), Err(e)),
+        Err(e) => push(&format!("{EXPERTS_FILE} blobs"), checked(Err(e))),
         Ok(store) => {
             let mut slot = crate::store::AlignedBuf::new(store.max_padded_expert_bytes() as usize);
             let experts = &store.index().experts;
@@ -337,13 +359,13 @@ pub fn verify(dir: &Path) -> Result<Vec<FileCheck>> {
             for e in experts {
                 if let Err(err) = store.read_expert(e.id, slot.as_mut_slice()) {
                     bad += 1;
-                    push(&format!("{EXPERTS_FILE} {}", e.id), Err(err));
+                    push(&format!("{EXPERTS_FILE} {}", e.id), checked(Err(err)));
                 }
             }
             if bad == 0 {
                 push(
                     &format!("{EXPERTS_FILE} blobs"),
-                    Ok(format!(
+                    Outcome::Ok(format!(
                         "{} experts, each matches its CRC-32",
                         experts.len()
                     )),

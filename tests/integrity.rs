@@ -158,6 +158,11 @@ fn a_truncated_or_foreign_file_is_named_when_the_bundle_opens() {
         ))
         .unwrap();
     stdout(&summarize(&copy));
+    // Without paths.bin a bundle is uncalibrated, not damaged.
+    std::fs::remove_file(copy.join("paths.bin")).unwrap();
+    stdout(&summarize(&copy));
+    let report = stdout(&verify(&copy));
+    assert!(report.contains("OK   paths.bin: absent"), "{report}");
 }
 
 #[test]
@@ -170,8 +175,12 @@ fn a_bundle_without_a_manifest_still_loads() {
     assert_eq!(stdout(&out), with);
     assert!(!stderr(&out).contains("error"), "{}", stderr(&out));
     let report = stdout(&verify(&bundle));
-    assert!(report.contains("OK   manifest.json: absent"), "{report}");
-    assert!(report.contains("not checked (no manifest)"), "{report}");
+    assert!(report.contains("SKIP manifest.json: absent"), "{report}");
+    assert_eq!(
+        lines_with(&report, "SKIP").len(),
+        5,
+        "the manifest and the four files: {report}"
+    );
     assert!(
         report.contains("OK   experts.bin blobs: 64 experts"),
         "{report}"

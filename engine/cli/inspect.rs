@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use edgemoe::bundle::{Bundle, EXPERTS_FILE, RESIDENT_FILE};
+use edgemoe::bundle::{Bundle, Outcome, EXPERTS_FILE, RESIDENT_FILE};
 use edgemoe::units::format_bytes;
 use edgemoe::Error;
 
@@ -76,8 +76,9 @@ fn verify(dir: &std::path::Path) -> Result<()> {
     let mut bad = 0;
     for check in &checks {
         match &check.outcome {
-            Ok(what) => println!("OK   {}: {what}", check.name),
-            Err(why) => {
+            Outcome::Ok(what) => println!("OK   {}: {what}", check.name),
+            Outcome::Unchecked(why) => println!("SKIP {}: {why}", check.name),
+            Outcome::Bad(why) => {
                 bad += 1;
                 // The error names the file.
                 println!("BAD  {why}");
