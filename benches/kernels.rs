@@ -24,6 +24,7 @@ fn demo_bundle() -> (tempfile::TempDir, PathBuf) {
         out_dir: out.clone(),
         tokenizer: None,
         bits: Default::default(),
+        force: false,
         show_progress: false,
     })
     .unwrap();

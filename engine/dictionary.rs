@@ -226,18 +226,28 @@ impl PathDictionary {
         }
     }
 
-    pub fn save(&self, path: &Path) -> Result<()> {
-        let body = bincode::serialize(self)
-            .map_err(|e| Error::format(path, format!("cannot encode: {e}")))?;
+    /// The dictionary as `paths.bin` holds it.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let body = bincode::serialize(self).expect("the dictionary encodes");
         let mut bytes = Vec::with_capacity(body.len() + 12);
         bytes.extend_from_slice(PATHS_MAGIC);
         bytes.extend_from_slice(&PATHS_VERSION.to_le_bytes());
         bytes.extend_from_slice(&body);
-        std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
+        bytes
+    }
+
+    /// Writes `path` atomically. A bundle's `paths.bin` goes through
+    /// `Bundle::save_path_dictionary`, which records it in the bundle's manifest.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        crate::atomic::write_file(path, &self.to_bytes())
     }
 
     pub fn load(path: &Path) -> Result<Self> {
-        let bytes = crate::io::read_bytes(path)?;
+        Self::from_bytes(path, &crate::io::read_bytes(path)?)
+    }
+
+    /// The dictionary in `bytes`, read from `path` (named in errors).
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self> {
         if bytes.len() < 12 || &bytes[..8] != PATHS_MAGIC {
             return Err(Error::format(
                 path,

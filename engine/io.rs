@@ -1,4 +1,5 @@
-//! Small file helpers every layer uses: JSON in and out naming the file in every error, the one
+//! Small file helpers every layer uses: JSON in and out naming the file in every error (out
+//! through [`crate::atomic`]), the one
 //! check that a path to read is a regular file (not a directory, not a FIFO that would block)
 //! or, for a file the user names as input, a file or a stream they chose (`<(cmd)`, /dev/stdin),
 //! the check that an output path can be written before work starts, and the one place that asks
@@ -14,11 +15,12 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     serde_json::from_str(&text).map_err(|e| Error::format(path, format!("invalid JSON: {e}")))
 }
 
-/// Writes `value` as pretty JSON (with a final newline), naming the file in errors.
+/// Writes `value` as pretty JSON (with a final newline) atomically ([`crate::atomic`]), naming
+/// the file in errors.
 pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
     let json = serde_json::to_string_pretty(value)
         .map_err(|e| Error::format(path, format!("cannot serialize: {e}")))?;
-    std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))
+    crate::atomic::write_file(path, (json + "\n").as_bytes())
 }
 
 /// Asks the kernel to drop the cached pages of an open file (best effort), so the next read

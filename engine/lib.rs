@@ -10,12 +10,13 @@
 //! checks it.
 //!
 //! - L0, leaves: [`error`] (the one error type), [`ids`] (`Stack`, `ExpertId`), [`units`]
-//!   (`1.5GiB` ↔ bytes), [`io`] (JSON files, page-cache dropping).
+//!   (`1.5GiB` ↔ bytes), [`io`] (JSON files, page-cache dropping), [`atomic`] (writes that
+//!   replace a file or a directory whole, or not at all).
 //! - L1, facts and formats: [`config`] (HF configs → validated `ModelSpec`, generation defaults,
 //!   bundle config, device profiles), [`weights`] (safetensors, the one memory-mapping site),
 //!   [`quant`] (INT8/4/2 and their kernels), [`store`] (the expert store's bytes), [`cache`]
 //!   (slot bookkeeping, eviction policies, traces and replay), [`dictionary`] (the activation-path
-//!   dictionary).
+//!   dictionary), [`manifest`] (a bundle's file checksums).
 //! - L2, [`model`]: the architectures (Switch Transformers; Mixtral, Qwen2-MoE, OLMoE) over shared
 //!   layers and one MoE feed-forward, the `Model` enum, and the expert-provider interface.
 //! - L3, the online expert side and opening a bundle: [`runtime`] (expert buffer, prediction,
@@ -28,6 +29,7 @@
 //!   table and charts, the storage probe).
 //! - L6, the binary: `engine/cli/` (one file per command), compiled into `edgemoe` only.
 
+pub mod atomic;
 pub mod error;
 pub mod ids;
 pub mod io;
@@ -36,6 +38,7 @@ pub mod units;
 pub mod cache;
 pub mod config;
 pub mod dictionary;
+pub mod manifest;
 pub mod quant;
 pub mod store;
 pub mod weights;

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tokenizers::{TruncationDirection, TruncationParams, TruncationStrategy};
 
+use crate::config::BundleConfig;
 use crate::error::{Error, Result};
 
 pub struct Tokenizer {
@@ -21,8 +22,12 @@ impl Tokenizer {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found"),
             ));
         }
-        crate::io::check_regular_file(path)?;
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
+        Self::from_bytes(path, &crate::io::read_bytes(path)?)
+    }
+
+    /// The tokenizer in `bytes` (a `tokenizer.json`), read from `path` (named in errors).
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| Error::Tokenizer {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
@@ -30,6 +35,50 @@ impl Tokenizer {
             path: path.to_path_buf(),
             inner,
         })
+    }
+
+    /// Fails unless this tokenizer can belong to the model of `config`: every id it produces
+    /// is a row of the model's embedding (`vocab_size`; models often pad their vocabulary, so
+    /// fewer tokens are fine), and the special tokens the engine feeds or stops on (decoder
+    /// start, EOS and every stop token, pad) are tokens of it. A tokenizer from another model
+    /// fails here instead of indexing past the embedding or never producing an EOS.
+    pub fn check_against(&self, config: &BundleConfig) -> Result<()> {
+        let tokens = self
+            .inner
+            .get_vocab(true)
+            .values()
+            .map(|&id| id as u64 + 1)
+            .max()
+            .unwrap_or(0);
+        let rows = config.model.vocab_size() as u64;
+        if tokens > rows {
+            return Err(self.error(format!(
+                "its ids go up to {} but the model's vocabulary has {rows} tokens (`vocab_size`): a tokenizer from another model?",
+                tokens - 1
+            )));
+        }
+        let g = &config.generation;
+        let start = if config.model.has_encoder() {
+            "decoder_start_token_id"
+        } else {
+            "bos_token_id"
+        };
+        let specials = [
+            (start, g.decoder_start_token_id),
+            ("eos_token_id", g.eos_token_id),
+            ("pad_token_id", g.pad_token_id),
+        ]
+        .into_iter()
+        .chain(g.stop_token_ids.iter().map(|&id| ("eos_token_id", id)));
+        for (field, id) in specials {
+            // -1: a decoder-only model without an EOS.
+            if id >= tokens as i64 {
+                return Err(self.error(format!(
+                    "the model's `{field}` {id} is not one of its {tokens} tokens: a tokenizer from another model?"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Ids of `text` with `</s>` appended, truncated to `max_tokens` (keeping `</s>`), as

@@ -18,7 +18,7 @@ use edgemoe::bundle::Bundle;
 use edgemoe::cache::replay::replay;
 use edgemoe::cache::trace::read_trace;
 use edgemoe::cache::Policy;
-use edgemoe::dictionary::{PathDictionary, PATHS_FILE};
+use edgemoe::dictionary::PathDictionary;
 use edgemoe::generation::causal::complete;
 use edgemoe::ids::Stack;
 use edgemoe::model::DecoderOnlyModel;
@@ -45,16 +45,16 @@ fn calibrated_bundle() -> &'static Path {
                 None,
             );
             let paths = collect_paths(&mut summarizer, &docs, "calibration", false).unwrap();
-            let spec = Bundle::open(&bundle).unwrap().config.model;
-            build_dictionary(
+            let opened = Bundle::open(&bundle).unwrap();
+            let spec = &opened.config.model;
+            let dictionary = build_dictionary(
                 &paths,
                 spec.moe_blocks(Stack::Encoder).len(),
                 spec.moe_blocks(Stack::Decoder).len(),
                 spec.num_experts(),
                 spec.top_k(),
-            )
-            .save(&bundle.join(PATHS_FILE))
-            .unwrap();
+            );
+            opened.save_path_dictionary(&dictionary).unwrap();
             (dir, bundle)
         })
         .1

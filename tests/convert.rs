@@ -7,7 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::checkpoint::{assert_mentions, copy_dir, drop_tensor, edit_config};
+use common::checkpoint::{assert_mentions, copy_dir, drop_tensor, edit_config, poison_tensor};
 use common::cli::{assert_fails, run, stderr, stdout};
 
 use edgemoe::bundle::EXPERTS_FILE;
@@ -23,10 +23,22 @@ enum Edit {
     DropTensor(&'static str),
     /// Overwrite `model.safetensors`; kept.
     Weights(&'static [u8]),
+    /// Replace text in `generation_config.json`; undone after the check.
+    Generation(&'static str, &'static str),
+    /// Set element 0 of a tensor of `model.safetensors` to NaN; kept.
+    Poison(&'static str),
 }
 
 /// An edit and what the refusal must mention.
 struct Refusal(Edit, &'static [&'static str]);
+
+/// Replaces `from` with `to` in `hf/generation_config.json`, which must contain `from`.
+fn edit_generation(hf: &Path, from: &str, to: &str) {
+    let path = hf.join("generation_config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(from), "{from}");
+    std::fs::write(&path, text.replace(from, to)).unwrap();
+}
 
 /// Applies each refusal in turn to a copy of `checkpoint` and checks that converting it fails
 /// naming every needle, through the library and through `edgemoe convert`.
@@ -39,13 +51,16 @@ fn check_refusals(checkpoint: &Path, refusals: &[Refusal]) {
             Edit::Config(from, to) => edit_config(&hf, from, to),
             Edit::DropTensor(name) => drop_tensor(&hf.join("model.safetensors"), name),
             Edit::Weights(bytes) => std::fs::write(hf.join("model.safetensors"), bytes).unwrap(),
+            Edit::Generation(from, to) => edit_generation(&hf, from, to),
+            Edit::Poison(name) => poison_tensor(&hf.join("model.safetensors"), name),
         }
         let error = convert(&ConvertOptions {
             resident: Default::default(),
             hf_dir: hf.clone(),
             out_dir: out.clone(),
-            tokenizer: (!hf.join("tokenizer.json").exists()).then(common::t5_tokenizer),
+            tokenizer: common::tokenizer_for(&hf, dir.path()),
             bits: BitPlan::default(),
+            force: false,
             show_progress: false,
         })
         .expect_err("conversion should fail")
@@ -62,9 +77,12 @@ fn check_refusals(checkpoint: &Path, refusals: &[Refusal]) {
             None,
         );
         assert_fails(&cli, needles);
-        if let Edit::Config(from, to) = edit {
-            edit_config(&hf, to, from);
+        match edit {
+            Edit::Config(from, to) => edit_config(&hf, to, from),
+            Edit::Generation(from, to) => edit_generation(&hf, to, from),
+            _ => {}
         }
+        assert!(!out.exists(), "a refused convert wrote {}", out.display());
     }
 }
 
@@ -110,6 +128,45 @@ fn switch_checkpoints_that_disagree_with_their_config_are_refused() {
                     "missing",
                 ],
             ),
+            // Nonsense values are refused naming the field (and the file that sets it).
+            Refusal(
+                Config(
+                    "\"layer_norm_epsilon\": 1e-06",
+                    "\"layer_norm_epsilon\": -1e-06",
+                ),
+                &["config.json", "`layer_norm_epsilon`", "positive"],
+            ),
+            Refusal(
+                Config("\"layer_norm_epsilon\": 1e-06", "\"layer_norm_epsilon\": 0"),
+                &["config.json", "`layer_norm_epsilon`", "positive"],
+            ),
+            Refusal(
+                Config("\"num_heads\": 8", "\"num_heads\": 0"),
+                &["config.json", "`num_heads`", "positive"],
+            ),
+            Refusal(
+                Config("\"num_decoder_layers\": 4", "\"num_decoder_layers\": 0"),
+                &["config.json", "`num_decoder_layers`", "positive"],
+            ),
+            Refusal(
+                Generation(
+                    "\"decoder_start_token_id\": 0",
+                    "\"decoder_start_token_id\": 40000",
+                ),
+                &[
+                    "generation_config.json",
+                    "`decoder_start_token_id` 40000",
+                    "32128",
+                ],
+            ),
+            Refusal(
+                Generation("\"eos_token_id\": 1", "\"eos_token_id\": -3"),
+                &["generation_config.json", "`eos_token_id` -3"],
+            ),
+            Refusal(
+                Generation("\"pad_token_id\": 0", "\"pad_token_id\": 32128"),
+                &["generation_config.json", "`pad_token_id` 32128"],
+            ),
             Refusal(
                 Weights(b"\x08\x00\x00\x00\x00\x00\x00\x00{}"),
                 &["model.safetensors"],
@@ -120,6 +177,15 @@ fn switch_checkpoints_that_disagree_with_their_config_are_refused() {
             ),
         ],
     );
+    // Non-finite weights, resident or expert, are refused naming the tensor.
+    const RESIDENT: &str = "encoder.block.0.layer.0.SelfAttention.q.weight";
+    const EXPERT: &str = "decoder.block.1.layer.2.mlp.experts.expert_3.wo.weight";
+    for refusal in [
+        Refusal(Poison(RESIDENT), &[RESIDENT, "NaN"]),
+        Refusal(Poison(EXPERT), &[EXPERT, "NaN"]),
+    ] {
+        check_refusals(&common::demo_checkpoint(), &[refusal]);
+    }
 }
 
 #[test]
@@ -158,6 +224,31 @@ fn decoder_checkpoints_that_disagree_with_their_config_are_refused() {
                 Config("\"intermediate_size\": 32", "\"intermediate_size\": 48"),
                 &["experts.0.w1.weight", "shape [32, 32], expected [48, 32]"],
             ),
+            // Nonsense values are refused naming the field.
+            Refusal(
+                Config("\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": 0.0"),
+                &["config.json", "`rms_norm_eps`", "positive"],
+            ),
+            Refusal(
+                Config("\"rope_theta\": 1000000.0", "\"rope_theta\": -1.0"),
+                &["config.json", "`rope_theta`", "positive"],
+            ),
+            Refusal(
+                Config("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 9"),
+                &["config.json", "`num_experts_per_tok` 9", "8 experts"],
+            ),
+            Refusal(
+                Config("\"num_attention_heads\": 4", "\"num_attention_heads\": 0"),
+                &["config.json", "`num_attention_heads`", "positive"],
+            ),
+            Refusal(
+                Config("\"bos_token_id\": 1", "\"bos_token_id\": 320"),
+                &["config.json", "`bos_token_id` 320", "320"],
+            ),
+            Refusal(
+                Generation("\"eos_token_id\": 0", "\"eos_token_id\": [0, 999]"),
+                &["generation_config.json", "`eos_token_id` 999"],
+            ),
             // A missing expert tensor is named.
             Refusal(
                 DropTensor("model.layers.1.block_sparse_moe.experts.5.w3.weight"),
@@ -167,6 +258,14 @@ fn decoder_checkpoints_that_disagree_with_their_config_are_refused() {
                 ],
             ),
         ],
+    );
+    // Non-finite expert weights (bf16) are refused naming the tensor.
+    check_refusals(
+        &common::fixture("tiny-mixtral"),
+        &[Refusal(
+            Poison("model.layers.1.block_sparse_moe.experts.5.w3.weight"),
+            &["model.layers.1.block_sparse_moe.experts.5.w3.weight", "NaN"],
+        )],
     );
     // Fused experts of the wrong shape name the fused tensor; a missing shared expert too.
     check_refusals(
@@ -340,4 +439,66 @@ fn convert_with_bits_and_plans() {
         );
         assert_fails(&bad, &["decoder block 9"]);
     }
+}
+
+#[test]
+fn a_tokenizer_from_another_model_is_refused() {
+    // T5's 32,100 tokens for a model with 512 embedding rows: ids past the embedding.
+    let dir = tempfile::tempdir().unwrap();
+    let hf = common::fixture("tiny-tied-e4");
+    let out = dir.path().join("out");
+    let t5 = common::t5_tokenizer();
+    let cli = run(
+        &[
+            "convert",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--tokenizer",
+            t5.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(
+        &cli,
+        &["tokenizer.json", "32099", "512 tokens", "another model"],
+    );
+    assert!(!out.exists());
+    // A tokenizer whose ids fit but lacks the model's EOS.
+    let small = dir.path().join("small.json");
+    let mut t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&t5).unwrap()).unwrap();
+    t["model"]["vocab"].as_array_mut().unwrap().truncate(1);
+    t["model"]["unk_id"] = 0.into();
+    t["added_tokens"] = serde_json::json!([]);
+    t["post_processor"] = serde_json::Value::Null;
+    std::fs::write(&small, t.to_string()).unwrap();
+    let cli = run(
+        &[
+            "convert",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--tokenizer",
+            small.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&cli, &["small.json", "`eos_token_id` 1", "another model"]);
+    assert!(!out.exists());
+
+    // At load: a bundle whose tokenizer was swapped for a foreign one (manifest updated to
+    // match, so only the cross-check can tell).
+    let bundle = common::convert_to(&hf, dir.path());
+    std::fs::copy(&t5, bundle.join("tokenizer.json")).unwrap();
+    common::checkpoint::reseal(&bundle, "tokenizer.json");
+    let error = edgemoe::bundle::Bundle::open(&bundle)
+        .unwrap()
+        .tokenizer()
+        .err()
+        .expect("a foreign tokenizer is refused at load")
+        .to_string();
+    assert_mentions(&error, &["tokenizer.json", "512 tokens", "another model"]);
 }

@@ -16,7 +16,8 @@ fn load(bundle: &Path) -> edgemoe::Result<()> {
     Bundle::open(bundle)?.load_model(tch::Device::Cpu).map(drop)
 }
 
-/// Rewrites the bundle's resident file with `extra` (an f32 `[2]`) added.
+/// Rewrites the bundle's resident file with `extra` (an f32 `[2]`) added (and recorded in the
+/// manifest, so that the loader's check is the one that answers).
 fn add_tensor(bundle: &Path, extra: &str) {
     let path = bundle.join(RESIDENT_FILE);
     let bytes = std::fs::read(&path).unwrap();
@@ -30,6 +31,7 @@ fn add_tensor(bundle: &Path, extra: &str) {
     ));
     let rewritten = safetensors::serialize(tensors, None).unwrap();
     std::fs::write(&path, rewritten).unwrap();
+    common::checkpoint::reseal(bundle, RESIDENT_FILE);
 }
 
 /// Converts `fixture`, loads it, then adds each of `extras` in turn and expects a refusal.

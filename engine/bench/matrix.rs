@@ -254,7 +254,7 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         .iter()
         .map(|d| serde_json::json!({ "document": d }).to_string())
         .collect();
-    std::fs::write(&input, lines.join("\n") + "\n").map_err(|e| Error::io(&input, e))?;
+    crate::atomic::write_file(&input, (lines.join("\n") + "\n").as_bytes())?;
     let quantized = quantized_bundle(options)?;
     let runs = plan_runs(&options.modes, &options.sizes, profile.budget_bytes);
 
@@ -381,7 +381,7 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         crate::bench::report::markdown(&rows)
     );
     let results_md = out.join("results.md");
-    std::fs::write(&results_md, &markdown).map_err(|e| Error::io(&results_md, e))?;
+    crate::atomic::write_file(&results_md, markdown.as_bytes())?;
     write_charts(
         &rows,
         &format!("{} · {}", profile.name, options.model.display()),

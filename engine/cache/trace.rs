@@ -3,13 +3,13 @@
 //! policy and buffer size reproduces the run's hit counts exactly; replaying it through others
 //! answers "what if".
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::policy::{LayerMap, Policy};
+use crate::atomic::AtomicFile;
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
 use crate::ids::Stack;
@@ -67,17 +67,18 @@ impl TraceEvent {
     }
 }
 
+/// Writes a trace under a temporary name ([`crate::atomic`]); [`TraceWriter::finish`] puts it
+/// in place, so a run that fails leaves no half trace.
 pub struct TraceWriter {
     path: PathBuf,
-    out: BufWriter<File>,
+    out: AtomicFile,
 }
 
 impl TraceWriter {
     pub fn create(path: &Path, header: &TraceHeader) -> Result<Self> {
-        let file = File::create(path).map_err(|e| Error::io(path, e))?;
         let mut writer = TraceWriter {
             path: path.to_path_buf(),
-            out: BufWriter::new(file),
+            out: AtomicFile::create(path)?,
         };
         writer.line(header)?;
         Ok(writer)
@@ -95,8 +96,8 @@ impl TraceWriter {
         self.line(event)
     }
 
-    pub fn finish(mut self) -> Result<()> {
-        self.out.flush().map_err(|e| Error::io(&self.path, e))
+    pub fn finish(self) -> Result<()> {
+        self.out.commit()
     }
 }
 

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::Args;
 
+use edgemoe::atomic::refuse_overlap;
 use edgemoe::cache::Policy;
 use edgemoe::config::profile::{DeviceKind, DeviceProfile};
 use edgemoe::generation::report::RunStats;
@@ -67,10 +68,12 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
-    /// Fails unless `--stats-json` can be written: checked before any work starts.
-    pub fn check(&self) -> Result<()> {
+    /// Fails unless `--stats-json` can be written without touching any of `inputs`: checked
+    /// before any work starts.
+    pub fn check(&self, inputs: &[(&str, &Path)]) -> Result<()> {
         if let Some(path) = &self.stats_json {
             check_output_path("--stats-json", path)?;
+            refuse_overlap(("--stats-json", path), inputs)?;
         }
         Ok(())
     }
@@ -146,10 +149,15 @@ pub struct RunSettings {
 }
 
 impl CacheArgs {
-    /// Fails unless `--trace` can be written: checked before any work starts.
-    pub fn check(&self) -> Result<()> {
+    /// Fails unless `--trace` can be written without touching any of `inputs` (or the
+    /// `--quantized` bundle): checked before any work starts.
+    pub fn check(&self, inputs: &[(&str, &Path)]) -> Result<()> {
         if let Some(path) = &self.trace {
             check_output_path("--trace", path)?;
+            refuse_overlap(("--trace", path), inputs)?;
+            if let Some(quantized) = &self.quantized {
+                refuse_overlap(("--trace", path), &[("--quantized", quantized)])?;
+            }
         }
         Ok(())
     }

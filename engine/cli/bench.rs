@@ -61,6 +61,14 @@ pub struct BenchArgs {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     edgemoe::io::check_output_dir("--out", &args.out)?;
+    let mut inputs = vec![
+        ("--model", args.model.as_path()),
+        ("--data", args.data.as_path()),
+    ];
+    if let Some(q) = &args.quantized {
+        inputs.push(("--quantized", q.as_path()));
+    }
+    edgemoe::atomic::refuse_overlap(("--out", &args.out), &inputs)?;
     let sizes = if args.buffer_experts.is_empty() {
         BenchSizes::Budgets(args.budgets)
     } else {

@@ -36,6 +36,14 @@ pub struct CalibrateArgs {
 pub fn run(args: CalibrateArgs) -> Result<()> {
     if let Some(path) = &args.json {
         edgemoe::io::check_output_path("--json", path)?;
+        let mut inputs = vec![
+            ("--model", args.model.as_path()),
+            ("--data", args.data.as_path()),
+        ];
+        if let Some(eval) = &args.eval_data {
+            inputs.push(("--eval-data", eval.as_path()));
+        }
+        edgemoe::atomic::refuse_overlap(("--json", path), &inputs)?;
     }
     check_default_bundle(&args.model)?;
     let run = calibrate(&CalibrateOptions {

@@ -17,9 +17,13 @@ pub struct ConvertArgs {
     /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, value_name = "DIR")]
     hf: PathBuf,
-    /// Bundle directory to write.
+    /// Bundle directory to write. Built beside it and swapped in once complete: a bundle already
+    /// there is replaced whole, or kept whole if anything fails.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// Replace --out even if it is a folder that holds something other than a bundle.
+    #[arg(long)]
+    force: bool,
     /// tokenizer.json to bundle if the checkpoint directory has none.
     #[arg(long, value_name = "FILE")]
     tokenizer: Option<PathBuf>,
@@ -37,7 +41,10 @@ pub struct ConvertArgs {
 
 pub fn run(args: ConvertArgs) -> Result<()> {
     let bits = match (&args.plan, args.bits) {
-        (Some(path), _) => BitPlan::load(path)?,
+        (Some(path), _) => {
+            edgemoe::atomic::refuse_overlap(("--out", &args.out), &[("--plan", path)])?;
+            BitPlan::load(path)?
+        }
         (None, Some(width)) => BitPlan::uniform(width),
         (None, None) => BitPlan::default(),
     };
@@ -47,6 +54,7 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         tokenizer: args.tokenizer,
         bits,
         resident: args.resident,
+        force: args.force,
         show_progress: true,
     })?;
     println!(

@@ -10,7 +10,6 @@ use edgemoe::generation::decoding::DecodeOptions;
 use edgemoe::generation::session::{Session, SessionOptions};
 use edgemoe::io::check_output_path;
 use edgemoe::offline::eval::{evaluate, read_examples};
-use edgemoe::Error;
 
 use super::args::{check_default_bundle, CacheArgs, DEFAULT_BUNDLE};
 use super::rouge::print_scores;
@@ -46,10 +45,15 @@ pub struct EvalArgs {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
+    let inputs = [
+        ("--model", args.model.as_path()),
+        ("--data", args.data.as_path()),
+    ];
     if let Some(path) = &args.predictions {
         check_output_path("--predictions", path)?;
+        edgemoe::atomic::refuse_overlap(("--predictions", path), &inputs)?;
     }
-    args.cache.check()?;
+    args.cache.check(&inputs)?;
     check_default_bundle(&args.model)?;
     let examples = read_examples(&args.data, args.limit)?;
     let bundle = Bundle::open(&args.model)?;
@@ -81,7 +85,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     if let Some(path) = &args.predictions {
         let mut text = predictions.join("\n");
         text.push('\n');
-        std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
+        edgemoe::atomic::write_file(path, text.as_bytes())?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

@@ -54,8 +54,9 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    args.output.check()?;
-    args.cache.check()?;
+    let inputs = [("--model", args.model.as_path())];
+    args.output.check(&inputs)?;
+    args.cache.check(&inputs)?;
     let bundle = Bundle::open(&args.model)?;
     let tokenizer = bundle.tokenizer()?;
     let generation = bundle.config.generation.clone();

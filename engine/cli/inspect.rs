@@ -1,20 +1,30 @@
-//! `edgemoe inspect`: a bundle's shape, sizes on disk and in memory, and expert widths.
+//! `edgemoe inspect`: a bundle's shape, sizes on disk and in memory, and expert widths; with
+//! `--verify`, every file of the bundle against its manifest and every expert blob against its
+//! checksum, one line per file, failing if any is damaged.
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
 
-use edgemoe::bundle::{Bundle, EXPERTS_FILE, RESIDENT_FILE};
+use edgemoe::bundle::{Bundle, Outcome, EXPERTS_FILE, RESIDENT_FILE};
 use edgemoe::units::format_bytes;
+use edgemoe::Error;
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
     /// Model bundle directory.
     bundle: PathBuf,
+    /// Read every file of the bundle and check it against its checksum (every expert blob
+    /// included); print OK or BAD per file and fail if any is BAD.
+    #[arg(long)]
+    verify: bool,
 }
 
 pub fn run(args: InspectArgs) -> Result<()> {
+    if args.verify {
+        return verify(&args.bundle);
+    }
     let bundle = Bundle::open(&args.bundle)?;
     let store = bundle.open_store()?;
     let file_size = |name: &str| {
@@ -58,5 +68,25 @@ pub fn run(args: InspectArgs) -> Result<()> {
         .collect();
     println!("bit widths    {}", widths.join(", "));
     println!("{}", bundle.config.describe_generation());
+    Ok(())
+}
+
+fn verify(dir: &std::path::Path) -> Result<()> {
+    let checks = edgemoe::bundle::verify(dir)?;
+    let mut bad = 0;
+    for check in &checks {
+        match &check.outcome {
+            Outcome::Ok(what) => println!("OK   {}: {what}", check.name),
+            Outcome::Unchecked(why) => println!("SKIP {}: {why}", check.name),
+            Outcome::Bad(why) => {
+                bad += 1;
+                // The error names the file.
+                println!("BAD  {why}");
+            }
+        }
+    }
+    if bad > 0 {
+        return Err(Error::corrupt(dir, None, format!("{bad} of the checks above failed")).into());
+    }
     Ok(())
 }

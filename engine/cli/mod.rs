@@ -39,7 +39,8 @@ enum Command {
     /// Continue a prompt with a decoder-only bundle (Mixtral, Qwen2-MoE, OLMoE) on a memory
     /// budget, printing tokens as they are produced (greedy unless --temperature/--top-p).
     Generate(generate::GenerateArgs),
-    /// Show a bundle's shape, resident and expert sizes, and expert bit widths.
+    /// Show a bundle's shape, resident and expert sizes, and expert bit widths (--verify: check
+    /// every file and expert blob against its checksum).
     Inspect(inspect::InspectArgs),
     /// Build the activation-path dictionary of a bundle from a corpus (writes paths.bin).
     Calibrate(calibrate::CalibrateArgs),

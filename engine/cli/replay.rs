@@ -34,6 +34,7 @@ pub struct ReplayArgs {
 pub fn run(args: ReplayArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         edgemoe::io::check_output_path("--plot", path)?;
+        edgemoe::atomic::refuse_overlap(("--plot", path), &[("--trace", &args.trace)])?;
     }
     let (header, events) = read_trace(&args.trace)?;
     let policies: Vec<Policy> = if args.policy.iter().any(|p| p == "all") {

@@ -42,8 +42,12 @@ pub struct SummarizeArgs {
 }
 
 pub fn run(args: SummarizeArgs) -> Result<()> {
-    args.output.check()?;
-    args.cache.check()?;
+    let mut inputs = vec![("--model", args.model.as_path())];
+    if args.input != "-" {
+        inputs.push(("--input", std::path::Path::new(&args.input)));
+    }
+    args.output.check(&inputs)?;
+    args.cache.check(&inputs)?;
     check_default_bundle(&args.model)?;
     let (text, source) = read_input(&args.input)?;
     let documents = parse_documents(&text, &source)?;

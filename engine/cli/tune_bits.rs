@@ -44,6 +44,16 @@ pub struct TuneBitsArgs {
 
 pub fn run(args: TuneBitsArgs) -> Result<()> {
     edgemoe::io::check_output_path("--out", &args.out)?;
+    // The plan and the files beside it (report, heat map, measurement cache).
+    let inputs: Vec<(&str, &std::path::Path)> = [
+        ("--model", args.model.as_deref()),
+        ("--hf", args.hf.as_deref()),
+        ("--data", Some(args.data.as_path())),
+    ]
+    .into_iter()
+    .filter_map(|(flag, path)| path.map(|p| (flag, p)))
+    .collect();
+    edgemoe::atomic::refuse_overlap(("--out", &args.out), &inputs)?;
     let source = match (args.model, args.hf) {
         (Some(model), _) => TuneSource::Bundle(model),
         (None, Some(hf)) => TuneSource::Checkpoint(hf),

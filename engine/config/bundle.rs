@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::io::read_json;
+use crate::io::read_text;
 
 use super::decoder::{DecoderFamily, DecoderSpec};
 use super::generation::GenerationDefaults;
@@ -38,7 +38,13 @@ fn f32_name() -> String {
 
 impl BundleConfig {
     pub fn load(path: &Path) -> Result<Self> {
-        let value: serde_json::Value = read_json(path)?;
+        Self::parse(path, &read_text(path)?)
+    }
+
+    /// The config in `text`, read from `path` (named in errors).
+    pub fn parse(path: &Path, text: &str) -> Result<Self> {
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| Error::format(path, format!("invalid JSON: {e}")))?;
         let version = value.get("format_version").and_then(|v| v.as_u64());
         match version {
             Some(v) if v == BUNDLE_FORMAT_VERSION as u64 => {}

@@ -207,6 +207,19 @@ impl DecoderSpec {
                 "`moe_intermediate_size` must be positive",
             ));
         }
+        if moe_layers.is_empty() {
+            return Err(unsupported(
+                "no MoE layer (`mlp_only_layers`/`decoder_sparse_step` make every layer dense)"
+                    .into(),
+            ));
+        }
+        if let Some(eps) = hf.rms_norm_eps {
+            super::spec::check_positive_finite(path, "rms_norm_eps", eps)?;
+        }
+        super::spec::check_positive_finite(path, "rope_theta", rope_theta)?;
+        if let (DecoderFamily::Olmoe, Some(clip)) = (family, hf.clip_qkv) {
+            super::spec::check_positive_finite(path, "clip_qkv", clip)?;
+        }
         let attention_windows = windows(hf, family, layers, path)?;
         if family == DecoderFamily::Olmoe && hf.num_attention_heads * head_dim != hf.hidden_size {
             return Err(unsupported(format!(

@@ -113,8 +113,69 @@ impl GenerationDefaults {
         self
     }
 
+    /// Fails naming the field and the file it came from unless every special token id is a
+    /// row of the model's `vocab_size`-row embedding: the decoder start (`decoder_start_token_id`,
+    /// or `bos_token_id` for a decoder-only model), every EOS and the pad id. A decoder-only
+    /// model may have no EOS (`-1`).
+    pub fn check_token_ids(
+        &self,
+        vocab_size: usize,
+        decoder_only: bool,
+        sources: &TokenIdSources<'_>,
+    ) -> Result<()> {
+        let start = if decoder_only {
+            "bos_token_id"
+        } else {
+            "decoder_start_token_id"
+        };
+        let mut ids = vec![
+            (start, self.decoder_start_token_id),
+            ("pad_token_id", self.pad_token_id),
+        ];
+        ids.extend(self.stop_token_ids.iter().map(|&id| ("eos_token_id", id)));
+        if !(decoder_only && self.stop_token_ids.is_empty()) {
+            ids.push(("eos_token_id", self.eos_token_id));
+        }
+        for (field, id) in ids {
+            if id < 0 || id as u64 >= vocab_size as u64 {
+                let path = if sources.generation_sets(field) {
+                    sources.generation_path
+                } else {
+                    sources.config_path
+                };
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "`{field}` {id} is not a token of the model's vocabulary (`vocab_size` {vocab_size})"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether `token` ends a generation.
     pub fn is_stop(&self, token: i64) -> bool {
         token == self.eos_token_id || self.stop_token_ids.contains(&token)
+    }
+}
+
+/// Where a checkpoint's special token ids came from, to name the right file in errors.
+pub struct TokenIdSources<'a> {
+    pub config_path: &'a Path,
+    pub generation_path: &'a Path,
+    pub generation: &'a HfGenerationConfig,
+}
+
+impl TokenIdSources<'_> {
+    /// Whether `generation_config.json` sets `field` (it wins over `config.json`).
+    fn generation_sets(&self, field: &str) -> bool {
+        let g = self.generation;
+        match field {
+            "decoder_start_token_id" => g.decoder_start_token_id.is_some(),
+            "pad_token_id" => g.pad_token_id.is_some(),
+            "eos_token_id" => g.eos_token_id.as_ref().is_some_and(|v| !v.is_null()),
+            _ => false,
+        }
     }
 }

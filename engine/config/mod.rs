@@ -17,7 +17,7 @@ pub mod switch;
 
 pub use bundle::{BundleConfig, BUNDLE_FORMAT_VERSION};
 pub use decoder::{DecoderFamily, DecoderSpec};
-pub use generation::{EarlyStopping, GenerationDefaults};
+pub use generation::{EarlyStopping, GenerationDefaults, TokenIdSources};
 pub use hf::{HfDecoderConfig, HfGenerationConfig, HfSpecialTokens, HfSwitchConfig};
 pub use spec::{ExpertFfn, ModelSpec};
 pub use switch::{SwitchSpec, ARCHITECTURE_SWITCH};

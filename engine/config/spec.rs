@@ -5,7 +5,11 @@
 //! experts per block, experts per token and the matrices of one expert. Decoder-only models put
 //! their MoE layers in [`Stack::Decoder`] and have no encoder.
 
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
 
 use crate::cache::policy::LayerMap;
 use crate::ids::{ExpertId, Stack};
@@ -188,4 +192,17 @@ impl ModelSpec {
             ModelSpec::DecoderOnly(d) => d.tie_word_embeddings,
         }
     }
+}
+
+/// Fails naming `field` of the config at `path` unless `value` is a positive finite number (an
+/// epsilon, a RoPE base, a clamp): zero, negative or infinite values give NaNs or empty outputs
+/// far from their cause.
+pub(crate) fn check_positive_finite(path: &Path, field: &str, value: f64) -> Result<()> {
+    if value.is_finite() && value > 0.0 {
+        return Ok(());
+    }
+    Err(Error::format(
+        path,
+        format!("`{field}` must be a positive finite number, got {value}"),
+    ))
 }

@@ -91,6 +91,15 @@ impl SwitchSpec {
                 return Err(Error::format(path, format!("`{name}` must be positive")));
             }
         }
+        if hf.num_decoder_layers == Some(0) {
+            return Err(Error::format(path, "`num_decoder_layers` must be positive"));
+        }
+        super::spec::check_positive_finite(path, "layer_norm_epsilon", hf.layer_norm_epsilon)?;
+        if hf.encoder_sparse_step == 0 && hf.decoder_sparse_step == 0 {
+            return Err(unsupported(
+                "`encoder_sparse_step` and `decoder_sparse_step` are both 0: no MoE block (a dense model)".into(),
+            ));
+        }
         if hf.num_experts > u16::MAX as usize {
             return Err(unsupported(format!(
                 "{} experts per layer (at most {})",

@@ -124,7 +124,7 @@ impl BitPlan {
                 .collect(),
         };
         let json = serde_json::to_string_pretty(&file).expect("plan serializes");
-        std::fs::write(path, json + "\n").map_err(|e| Error::io(path, e))
+        crate::atomic::write_file(path, (json + "\n").as_bytes())
     }
 }
 

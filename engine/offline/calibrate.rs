@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::bundle::Bundle;
 use crate::cache::Policy;
-use crate::dictionary::{evaluate, LayerAccuracy, PathDictionary, StackPaths, PATHS_FILE};
+use crate::dictionary::{evaluate, LayerAccuracy, PathDictionary, StackPaths};
 use crate::error::{Error, Result};
 use crate::generation::decoding::Generation;
 use crate::generation::input::parse_documents;
@@ -85,7 +85,7 @@ pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
             documents.split_off(keep)
         }
     };
-    let bundle = Bundle::open(&options.bundle)?;
+    let bundle = Bundle::open(&options.bundle)?.without_path_dictionary();
     let spec = bundle.config.model.clone();
     let cache = CacheOptions {
         policy: Policy::Lru,
@@ -112,8 +112,7 @@ pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
         spec.num_experts(),
         spec.top_k(),
     );
-    let dictionary_path = bundle.path(PATHS_FILE);
-    dict.save(&dictionary_path)?;
+    let dictionary_path = bundle.save_path_dictionary(&dict)?;
     Ok(CalibrationRun {
         report: report(&dict, calibration.len(), &held_out),
         dictionary_path,

@@ -21,15 +21,20 @@ use indicatif::{ProgressBar, ProgressStyle};
 use safetensors::tensor::TensorView;
 use tch::Tensor;
 
-use crate::bundle::{CONFIG_FILE, EXPERTS_FILE, RESIDENT_FILE, TOKENIZER_FILE};
+use crate::atomic::StagedDir;
+use crate::bundle::{
+    Bundle, BUNDLE_FILES, CONFIG_FILE, EXPERTS_FILE, RESIDENT_FILE, TOKENIZER_FILE,
+};
 use crate::config::{
     BundleConfig, DecoderFamily, DecoderSpec, GenerationDefaults, HfDecoderConfig,
-    HfGenerationConfig, HfSwitchConfig, ModelSpec, SwitchSpec, ARCHITECTURE_SWITCH,
+    HfGenerationConfig, HfSwitchConfig, ModelSpec, SwitchSpec, TokenIdSources, ARCHITECTURE_SWITCH,
     BUNDLE_FORMAT_VERSION,
 };
+use crate::dictionary::PATHS_FILE;
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
-use crate::io::read_json;
+use crate::io::{read_bytes, read_json};
+use crate::manifest::{Manifest, MANIFEST_FILE};
 use crate::model::decoder_only;
 use crate::model::switch;
 use crate::offline::bit_plan::BitPlan;
@@ -48,6 +53,8 @@ pub struct ConvertOptions {
     pub bits: BitPlan,
     /// Width of the resident (non-expert) matrices.
     pub resident: ResidentWidth,
+    /// Replace `out_dir` even when it holds something that is not a bundle.
+    pub force: bool,
     pub show_progress: bool,
 }
 
@@ -186,11 +193,12 @@ pub fn read_hf_config(hf_dir: &Path) -> Result<BundleConfig> {
     let config_path = hf_dir.join("config.json");
     let raw: serde_json::Value = read_json(&config_path)?;
     let generation_path = hf_dir.join("generation_config.json");
-    let generation: HfGenerationConfig = if generation_path.exists() {
+    let generation_raw: HfGenerationConfig = if generation_path.exists() {
         read_json(&generation_path)?
     } else {
         HfGenerationConfig::default()
     };
+    let generation = &generation_raw;
     let model_type = raw.get("model_type").and_then(|v| v.as_str());
     let invalid =
         |e: serde_json::Error| Error::format(&config_path, format!("invalid config: {e}"));
@@ -199,14 +207,14 @@ pub fn read_hf_config(hf_dir: &Path) -> Result<BundleConfig> {
             let hf: HfSwitchConfig = serde_json::from_value(raw).map_err(invalid)?;
             let spec = SwitchSpec::from_hf(&hf, &config_path)?;
             let generation =
-                GenerationDefaults::from_hf(&hf.special_tokens(), &generation, &generation_path)?;
+                GenerationDefaults::from_hf(&hf.special_tokens(), generation, &generation_path)?;
             (ModelSpec::Switch(spec), generation)
         }
         Some(t) if DecoderFamily::from_model_type(t).is_some() => {
             let hf: HfDecoderConfig = serde_json::from_value(raw).map_err(invalid)?;
             let spec = DecoderSpec::from_hf(&hf, &config_path)?;
             let tokens = hf.special_tokens();
-            let generation = GenerationDefaults::from_hf(&tokens, &generation, &generation_path)?
+            let generation = GenerationDefaults::from_hf(&tokens, generation, &generation_path)?
                 .for_decoder_only(&tokens, spec.max_position_embeddings);
             (ModelSpec::DecoderOnly(spec), generation)
         }
@@ -229,6 +237,15 @@ pub fn read_hf_config(hf_dir: &Path) -> Result<BundleConfig> {
             })
         }
     };
+    generation.check_token_ids(
+        model.vocab_size(),
+        !model.has_encoder(),
+        &TokenIdSources {
+            config_path: &config_path,
+            generation_path: &generation_path,
+            generation: &generation_raw,
+        },
+    )?;
     Ok(BundleConfig {
         format_version: BUNDLE_FORMAT_VERSION,
         architecture: model.architecture().into(),
@@ -275,6 +292,37 @@ impl<'a> MatrixBytes<'a> {
             rows,
             cols,
             data: &t.data[start..start + rows * cols * size],
+        }
+    }
+
+    /// Fails naming the tensor (and `expert`) unless every element is finite: a NaN or an
+    /// infinity in one expert silently empties every output that routes through it.
+    fn check_finite(&self, expert: ExpertId) -> Result<()> {
+        let word = |b: &[u8]| match *b {
+            [a, b, c, d] => u32::from_le_bytes([a, b, c, d]),
+            [a, b] => u16::from_le_bytes([a, b]) as u32,
+            _ => 0,
+        };
+        // An all-ones exponent is an infinity or a NaN.
+        let exponent: u32 = match self.dtype {
+            WeightDtype::F32 => 0x7f80_0000,
+            WeightDtype::F16 => 0x7c00,
+            WeightDtype::BF16 => 0x7f80,
+        };
+        let size = self.dtype.size_bytes();
+        match self
+            .data
+            .chunks_exact(size)
+            .position(|b| word(b) & exponent == exponent)
+        {
+            None => Ok(()),
+            Some(i) => Err(Error::tensor(
+                self.path,
+                &self.name,
+                format!(
+                    "{expert}: element {i} is not finite (NaN or infinity): the checkpoint is corrupt"
+                ),
+            )),
         }
     }
 
@@ -420,12 +468,18 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
             ),
         ));
     }
-    let mut config = read_hf_config(hf_dir)?;
     let tokenizer_path = options
         .tokenizer
         .clone()
         .unwrap_or_else(|| hf_dir.join("tokenizer.json"));
-    Tokenizer::load(&tokenizer_path)?;
+    let mut inputs = vec![("--hf", hf_dir.as_path())];
+    if let Some(t) = &options.tokenizer {
+        inputs.push(("--tokenizer", t.as_path()));
+    }
+    check_target(&options.out_dir, &inputs, options.force)?;
+    let mut config = read_hf_config(hf_dir)?;
+    let tokenizer_bytes = read_bytes(&tokenizer_path)?;
+    Tokenizer::from_bytes(&tokenizer_path, &tokenizer_bytes)?.check_against(&config)?;
     let files = WeightFiles::open_hf_dir(hf_dir)?;
     if let ModelSpec::Switch(spec) = &mut config.model {
         // Untied transformers 5.x checkpoints give each stack its own embedding table.
@@ -451,19 +505,16 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
             ),
         ));
     }
-
-    std::fs::create_dir_all(&options.out_dir).map_err(|e| Error::io(&options.out_dir, e))?;
-    // A bundle is valid only once config.json is written (last), so remove a stale one first;
-    // a path dictionary calibrated on what was there before does not describe the new weights.
-    let config_out = options.out_dir.join(CONFIG_FILE);
-    for stale in [
-        config_out.clone(),
-        options.out_dir.join(crate::dictionary::PATHS_FILE),
-    ] {
-        if stale.exists() {
-            std::fs::remove_file(&stale).map_err(|e| Error::io(&stale, e))?;
-        }
+    if let Some(unknown) = options.bits.experts.keys().find(|id| !experts.contains(id)) {
+        return Err(Error::Input(format!(
+            "the bit plan names {unknown}, which this model does not have"
+        )));
     }
+
+    // Everything is written into a staging directory beside the target and swapped in once
+    // complete and checked: an old bundle there stays whole until then, whatever happens.
+    let staged = StagedDir::beside(&options.out_dir)?;
+    let out = staged.path();
 
     let progress = if options.show_progress {
         ProgressBar::new((resident.len() + experts.len()) as u64)
@@ -478,7 +529,7 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
 
     // Resident weights at the chosen width (the engine holds and computes them so).
     progress.set_message("resident");
-    let resident_path = options.out_dir.join(RESIDENT_FILE);
+    let resident_path = out.join(RESIDENT_FILE);
     let mut stored = Vec::with_capacity(resident.len());
     for (name, source, shape) in resident {
         let t = files.get(source, shape)?;
@@ -499,6 +550,7 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
         .into();
     safetensors::tensor::serialize_to_file(views, None, &resident_path)
         .map_err(|e| Error::format(&resident_path, format!("cannot write: {e}")))?;
+    drop(stored);
 
     // Experts: one blob each, at the plan's width, else in their source dtype (f32 if their
     // matrices disagree).
@@ -517,18 +569,14 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
             .unwrap_or(ExpertEncoding::Float(source));
         plan.push((id, encoding));
     }
-    if let Some(unknown) = options.bits.experts.keys().find(|id| !experts.contains(id)) {
-        return Err(Error::Input(format!(
-            "the bit plan names {unknown}, which this model does not have"
-        )));
-    }
-    let store_path = options.out_dir.join(EXPERTS_FILE);
+    let store_path = out.join(EXPERTS_FILE);
     let mut writer = ExpertStoreWriter::create(&store_path, &spec.expert_layout(), &plan)?;
     for &(id, encoding) in &plan {
         let sources = sources.expert(id)?;
         let (matrices, length) = spec.expert_layout().blob(encoding);
         let mut blob = vec![0u8; length as usize];
         for (m, t) in matrices.iter().zip(&sources) {
+            t.check_finite(id)?;
             let (bytes, scales) = stored_bytes(t, encoding)?;
             blob[m.offset as usize..(m.offset + m.bytes) as usize].copy_from_slice(&bytes);
             let at = m.scales_offset as usize;
@@ -541,19 +589,68 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
     }
     writer.finish()?;
 
-    let tokenizer_out = options.out_dir.join(TOKENIZER_FILE);
-    std::fs::copy(&tokenizer_path, &tokenizer_out).map_err(|e| Error::io(&tokenizer_out, e))?;
+    let tokenizer_out = out.join(TOKENIZER_FILE);
+    std::fs::write(&tokenizer_out, &tokenizer_bytes).map_err(|e| Error::io(&tokenizer_out, e))?;
+    let config_out = out.join(CONFIG_FILE);
     let json = serde_json::to_string_pretty(&config).expect("config serializes");
     std::fs::write(&config_out, json + "\n").map_err(|e| Error::io(&config_out, e))?;
+    seal(out)?;
     progress.finish_and_clear();
 
     let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    Ok(ConvertReport {
+    let report = ConvertReport {
         spec,
         experts: experts.len(),
         resident_file_bytes: size(&resident_path),
         expert_store_bytes: size(&store_path),
-    })
+    };
+    staged.commit()?;
+    Ok(report)
+}
+
+/// Records every file of the bundle being written in `dir` in its manifest (written last), then
+/// opens it as a run would: config, lengths, tokenizer against the model, the expert store's
+/// index. What fails here never reaches the target.
+fn seal(dir: &Path) -> Result<()> {
+    let mut manifest = Manifest::default();
+    for name in BUNDLE_FILES {
+        if dir.join(name).exists() && name != MANIFEST_FILE {
+            manifest.record(dir, name)?;
+        }
+    }
+    manifest.save(dir)?;
+    let bundle = Bundle::open(dir)?;
+    bundle.tokenizer()?;
+    bundle.open_store()?;
+    Ok(())
+}
+
+/// Fails before anything is written when the bundle directory `out` would overlap an input or
+/// holds something that is not a bundle (unless `force`): convert replaces the whole directory.
+fn check_target(out: &Path, inputs: &[(&str, &Path)], force: bool) -> Result<()> {
+    crate::atomic::refuse_overlap(("--out", out), inputs)?;
+    let meta = match std::fs::metadata(out) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(out, e)),
+    };
+    if !meta.is_dir() {
+        return Err(Error::Input(format!(
+            "--out {}: exists and is not a directory",
+            out.display()
+        )));
+    }
+    let foreign = crate::bundle::foreign_entries(out)?;
+    if foreign.is_empty() || force {
+        return Ok(());
+    }
+    let shown: Vec<&str> = foreign.iter().take(3).map(String::as_str).collect();
+    Err(Error::Input(format!(
+        "--out {}: not empty and not a model bundle (it holds {}{}); converting would replace the whole directory: choose another --out, or pass --force to replace it",
+        out.display(),
+        shown.join(", "),
+        if foreign.len() > 3 { ", …" } else { "" }
+    )))
 }
 
 /// A matrix's bytes in the store's encoding, and its per-row scales (quantized encodings).
@@ -575,24 +672,22 @@ fn stored_bytes(t: &MatrixBytes<'_>, encoding: ExpertEncoding) -> Result<(Vec<u8
 }
 
 /// Writes a copy of bundle `source` into `out` with its experts re-encoded by `bits`
-/// (decoded to f32 and quantized again; non-expert files copied as they are).
+/// (decoded to f32 and quantized again; non-expert files copied as they are), replacing `out`
+/// whole once complete (a bundle there, or nothing; see [`convert`]).
 pub fn requantize_bundle(source: &Path, out: &Path, bits: &BitPlan) -> Result<()> {
-    use crate::bundle::Bundle;
     let bundle = Bundle::open(source)?;
+    check_target(out, &[("the source bundle", source)], false)?;
     let spec = bundle.config.model.clone();
     let store = bundle.open_store()?;
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let config_out = out.join(CONFIG_FILE);
-    if config_out.exists() {
-        std::fs::remove_file(&config_out).map_err(|e| Error::io(&config_out, e))?;
-    }
+    let staged = StagedDir::beside(out)?;
+    let dir = staged.path();
     let plan: Vec<_> = store
         .index()
         .experts
         .iter()
         .map(|e| (e.id, bits.encoding(e.id).unwrap_or(e.encoding)))
         .collect();
-    let store_path = out.join(EXPERTS_FILE);
+    let store_path = dir.join(EXPERTS_FILE);
     let mut writer = ExpertStoreWriter::create(&store_path, &spec.expert_layout(), &plan)?;
     let mut slot = crate::store::AlignedBuf::new(store.max_padded_expert_bytes() as usize);
     for &(id, encoding) in &plan {
@@ -626,13 +721,17 @@ pub fn requantize_bundle(source: &Path, out: &Path, bits: &BitPlan) -> Result<()
         writer.write_next(&blob)?;
     }
     writer.finish()?;
-    for file in [RESIDENT_FILE, TOKENIZER_FILE, crate::dictionary::PATHS_FILE] {
-        let from = source.join(file);
-        if from.exists() {
-            let to = out.join(file);
-            std::fs::copy(&from, &to).map_err(|e| Error::io(&to, e))?;
+    for file in [RESIDENT_FILE, TOKENIZER_FILE, PATHS_FILE] {
+        if source.join(file).exists() {
+            // What is copied is what the source's manifest records.
+            bundle.check_file(file)?;
+            let to = dir.join(file);
+            std::fs::copy(source.join(file), &to).map_err(|e| Error::io(&to, e))?;
         }
     }
+    let config_out = dir.join(CONFIG_FILE);
     let json = serde_json::to_string_pretty(&bundle.config).expect("config serializes");
-    std::fs::write(&config_out, json + "\n").map_err(|e| Error::io(&config_out, e))
+    std::fs::write(&config_out, json + "\n").map_err(|e| Error::io(&config_out, e))?;
+    seal(dir)?;
+    staged.commit()
 }

@@ -231,7 +231,7 @@ impl<'a> Tuner<'a> {
         let loss = 1.0 - mean;
         self.cache.losses.insert(key, loss);
         let json = serde_json::to_string_pretty(&self.cache).expect("cache serializes");
-        std::fs::write(&self.cache_path, json).map_err(|e| Error::io(&self.cache_path, e))?;
+        crate::atomic::write_file(&self.cache_path, json.as_bytes())?;
         Ok(loss)
     }
 
@@ -416,6 +416,7 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
                 out_dir: out.clone(),
                 tokenizer: None,
                 bits: BitPlan::default(),
+                force: false,
                 show_progress: options.show_progress,
             })?;
             out

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::bundle::{Bundle, EXPERTS_FILE};
 use crate::cache::Policy;
-use crate::dictionary::{PathDictionary, PATHS_FILE};
+use crate::dictionary::PathDictionary;
 use crate::error::{Error, Result};
 use crate::ids::Stack;
 use crate::runtime::budget::BudgetPlan;
@@ -127,12 +127,7 @@ impl ExpertRuntime {
             store.index().experts.len(),
             cache.buffer_experts,
         )?;
-        let paths = bundle.path(PATHS_FILE);
-        let dictionary = if paths.exists() {
-            Some(Arc::new(PathDictionary::load(&paths)?))
-        } else {
-            None
-        };
+        let dictionary = bundle.path_dictionary()?.map(Arc::new);
         let decoder_moe_layers = spec.moe_blocks(Stack::Decoder).len() as u64;
         let per_layer = spec.top_k().max(2) as u64;
         let buffered = |slots: usize, prefetch: bool, store: ExpertStore| {

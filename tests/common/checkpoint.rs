@@ -47,3 +47,72 @@ pub fn assert_mentions(message: &str, needles: &[&str]) {
         );
     }
 }
+
+/// Rewrites the safetensors file `weights` with element 0 of tensor `name` set to NaN.
+pub fn poison_tensor(weights: &Path, name: &str) {
+    let bytes = std::fs::read(weights).unwrap();
+    let all = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = all
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    let (_, dtype, _, data) = owned
+        .iter_mut()
+        .find(|(n, ..)| n == name)
+        .unwrap_or_else(|| panic!("{name} is not in {}", weights.display()));
+    let nan: &[u8] = match dtype {
+        safetensors::Dtype::F32 => &f32::NAN.to_le_bytes(),
+        safetensors::Dtype::F16 => &[0x00, 0x7e],
+        safetensors::Dtype::BF16 => &[0xc0, 0x7f],
+        other => panic!("{name}: dtype {other:?}"),
+    };
+    data[..nan.len()].copy_from_slice(nan);
+    let views: Vec<_> = owned
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(weights, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+/// Flips the lowest bit of the byte in the middle of `file`.
+pub fn flip_middle_byte(file: &Path) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 1;
+    std::fs::write(file, bytes).unwrap();
+}
+
+/// SHA-256 of every file under `dir` (recursively, by path relative to it): equal snapshots
+/// mean nothing under `dir` changed.
+pub fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, [u8; 32]> {
+    use sha2::Digest;
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let digest = sha2::Sha256::digest(std::fs::read(&path).unwrap());
+                out.insert(path.strip_prefix(dir).unwrap().to_path_buf(), digest.into());
+            }
+        }
+    }
+    out
+}
+
+/// Records file `name` of `bundle` in its manifest as it is now: a test that edits a bundle
+/// file to reach a check behind the checksums (a loader's, a cross-check) makes the edit look
+/// like what `convert` wrote.
+pub fn reseal(bundle: &Path, name: &str) {
+    let mut manifest = edgemoe::manifest::Manifest::load(bundle).unwrap().unwrap();
+    manifest.record(bundle, name).unwrap();
+    manifest.save(bundle).unwrap();
+}

@@ -34,9 +34,36 @@ pub fn demo_checkpoint() -> PathBuf {
     root().join("models/switch-samsum-tiny")
 }
 
-/// The T5 tokenizer (the demo checkpoint's copy), for fixtures that have none.
+/// The T5 tokenizer (the demo checkpoint's copy).
 pub fn t5_tokenizer() -> PathBuf {
     demo_checkpoint().join("tokenizer.json")
+}
+
+/// The tokenizer to convert checkpoint `hf` with: none (its own `tokenizer.json`), or for the
+/// tiny Switch fixtures, which have none and a vocabulary smaller than T5's, the T5 tokenizer
+/// cut down to their `vocab_size` (its first pieces; `convert` refuses a tokenizer whose ids
+/// pass the model's vocabulary), written into `dir`.
+pub fn tokenizer_for(hf: &Path, dir: &Path) -> Option<PathBuf> {
+    if hf.join("tokenizer.json").exists() {
+        return None;
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap();
+    let mut t5: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(t5_tokenizer()).unwrap()).unwrap();
+    t5["model"]["vocab"]
+        .as_array_mut()
+        .unwrap()
+        .truncate(vocab as usize);
+    t5["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|t| t["id"].as_u64().unwrap() < vocab);
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(format!("t5-tokenizer-{vocab}.json"));
+    std::fs::write(&path, t5.to_string()).unwrap();
+    Some(path)
 }
 
 /// `../shared/data/samsum/<split>.jsonl`, beside the repository.
@@ -58,8 +85,8 @@ pub fn convert_to(hf: &Path, dir: &Path) -> PathBuf {
 }
 
 /// Converts a Hugging Face directory into `dir/bundle` with the expert widths of `bits`. The
-/// checkpoint's own `tokenizer.json` is bundled; the T5 one for fixtures that have none (the
-/// tiny Switch fixtures).
+/// checkpoint's own `tokenizer.json` is bundled; a cut-down T5 one for fixtures that have none
+/// (the tiny Switch fixtures, see [`tokenizer_for`]).
 pub fn convert_with(hf: &Path, dir: &Path, bits: BitPlan) -> PathBuf {
     convert_at(hf, dir, bits, ResidentWidth::F32)
 }
@@ -71,8 +98,9 @@ pub fn convert_at(hf: &Path, dir: &Path, bits: BitPlan, resident: ResidentWidth)
         resident,
         hf_dir: hf.to_path_buf(),
         out_dir: out.clone(),
-        tokenizer: (!hf.join("tokenizer.json").exists()).then(t5_tokenizer),
+        tokenizer: tokenizer_for(hf, dir),
         bits,
+        force: false,
         show_progress: false,
     })
     .unwrap_or_else(|e| panic!("converting {}: {e}", hf.display()));
