@@ -60,6 +60,12 @@ pub fn run(args: TuneBitsArgs) -> Result<()> {
         show_progress: true,
     })?;
     let report = &run.report;
+    if run.reused_measurements > 0 {
+        println!(
+            "reused {} measurements cached for this model, data and options",
+            run.reused_measurements
+        );
+    }
     println!(
         "max loss {:.1}%: every expert at {} except {} at {} → proxy loss {:.2}%, experts {}",
         100.0 * report.max_loss,
