@@ -449,6 +449,38 @@ fn rouge_scores_files_and_eval_scores_a_corpus() {
     assert_fails(&out, &["two.jsonl line 1", "summary"]);
 }
 
+/// ROUGE on one very long line: the LCS of two 1 MiB single-line texts of 524,288 tokens each
+/// (a two-word alphabet, the worst case for matching pairs) took the table algorithm minutes to
+/// hours; bit-parallel it takes seconds. Twice as many tokens is refused by name, not run.
+#[test]
+fn rouge_on_one_very_long_line_finishes_in_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let pred = dir.path().join("pred.txt");
+    let reference = dir.path().join("ref.txt");
+    std::fs::write(&pred, "a ".repeat(1 << 19)).unwrap();
+    std::fs::write(&reference, "b a ".repeat(1 << 18)).unwrap();
+    let args = [
+        "rouge",
+        "--pred",
+        pred.to_str().unwrap(),
+        "--ref",
+        reference.to_str().unwrap(),
+        "--json",
+    ];
+    let out = run_within(&args, 60);
+    let scores: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    // Every `a` of the reference is matched in order: LCS 262,144 of 524,288 tokens each side.
+    assert_eq!(scores["rouge_l"]["precision"], 0.5, "{scores}");
+    assert_eq!(scores["rouge_l"]["recall"], 0.5, "{scores}");
+
+    std::fs::write(&pred, "a ".repeat(1 << 20)).unwrap();
+    let out = run_within(&args, 60);
+    assert_fails(
+        &out,
+        &["pred.txt", "line 1", "1048576-token prediction", "ROUGE-L"],
+    );
+}
+
 #[test]
 fn bench_smoke_two_modes_with_emulated_storage() {
     let dir = tempfile::tempdir().unwrap();

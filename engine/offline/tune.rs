@@ -415,7 +415,7 @@ impl<'a> Tuner<'a> {
         let mut total = 0.0;
         for (ids, reference) in outputs.iter().zip(references) {
             let text = tokenizer.decode(ids)?;
-            total += rouge::score(&text, reference, false).rouge2.fmeasure;
+            total += rouge::score(&text, reference, false)?.rouge2.fmeasure;
         }
         self.experts.reset_widths();
         Ok(total / references.len().max(1) as f64)
