@@ -608,6 +608,77 @@ fn probe_storage_measures_every_size_and_depth() {
     assert_fails(&missing, &["nope"]);
 }
 
+/// `probe-storage --size 0` (or any size below the 8 MiB a probe needs) is a usage error naming
+/// `--size`, not "failed to fill whole buffer" after writing an empty file; so is a bad
+/// `--seconds`.
+#[test]
+fn probe_storage_refuses_tiny_sizes_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    for size in ["0", "1", "4KiB", "8388607"] {
+        let out = run(&["probe-storage", d, "--size", size], None);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "--size {size}: {err}");
+        assert!(
+            err.contains("--size") && err.contains("at least 8.00 MiB"),
+            "{err}"
+        );
+    }
+    for seconds in ["0", "-1", "61", "nan"] {
+        let flag = format!("--seconds={seconds}");
+        let out = run(&["probe-storage", d, &flag], None);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "--seconds {seconds}: {err}");
+        assert!(err.contains("--seconds"), "{err}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// An interrupted `probe-storage` (SIGINT while the test file is written, SIGTERM while it is
+/// read) removes its test file and dies of the signal; it left 256 MiB behind.
+#[test]
+fn interrupted_probe_storage_removes_its_test_file() {
+    use std::os::unix::process::ExitStatusExt;
+    for (signal, size, seconds) in [
+        (libc::SIGINT, "64GiB", "0.5"),
+        (libc::SIGTERM, "8MiB", "30"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = common::cli::start(&[
+            "probe-storage",
+            dir.path().to_str().unwrap(),
+            "--size",
+            size,
+            "--seconds",
+            seconds,
+        ]);
+        // Wait for the file to exist and (for the second case) to be fully written.
+        let started = std::time::Instant::now();
+        let want = if signal == libc::SIGINT { 1 } else { 8 << 20 };
+        loop {
+            let len = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .max();
+            if len.is_some_and(|len| len >= want) {
+                break;
+            }
+            assert!(child.try_wait().unwrap().is_none(), "probe ended early");
+            assert!(started.elapsed().as_secs() < 60, "no probe file appeared");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if signal == libc::SIGTERM {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        common::cli::send_signal(&child, signal);
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(signal), "{status:?}");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+}
+
 #[test]
 fn generate_streams_the_golden_text_and_samples_reproducibly() {
     let golden = decoder_golden("tiny-mixtral");

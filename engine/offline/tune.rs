@@ -36,6 +36,7 @@ use crate::generation::decoding::DecodeOptions;
 use crate::generation::input::model_input;
 use crate::generation::session::{input_ids, run_model};
 use crate::ids::ExpertId;
+use crate::interrupt::RemoveOnInterrupt;
 use crate::io::write_json;
 use crate::model::Model;
 use crate::offline::bit_plan::BitPlan;
@@ -480,14 +481,15 @@ pub fn beside_plan(plan: &Path, suffix: &str) -> PathBuf {
 /// Tunes every expert's width for `max_loss` and writes the plan, its report, the importance
 /// heat map and the measurement cache.
 pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
-    // The converted bundle lives until the run ends.
+    // The converted bundle lives until the run ends, and is removed if it is interrupted.
     let _temp;
     let bundle_dir = match &options.source {
         TuneSource::Bundle(dir) => dir.clone(),
         TuneSource::Checkpoint(hf) => {
             let temp = tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?;
             let out = temp.path().join("bundle");
-            _temp = temp;
+            let guard = RemoveOnInterrupt::new(temp.path());
+            _temp = (temp, guard);
             convert(&ConvertOptions {
                 resident: Default::default(),
                 hf_dir: hf.clone(),

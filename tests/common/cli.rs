@@ -14,6 +14,19 @@ fn spawn(args: &[&str], stdin: Stdio) -> std::process::Child {
         .unwrap()
 }
 
+/// Starts `edgemoe args…` with no standard input and its outputs piped, for a test that
+/// signals or watches it while it runs.
+pub fn start(args: &[&str]) -> std::process::Child {
+    spawn(args, Stdio::null())
+}
+
+/// Sends `signal` to a running child.
+pub fn send_signal(child: &std::process::Child, signal: i32) {
+    // SAFETY: plain kill(2) on the id of a child this test started and has not reaped.
+    let status = unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+    assert_eq!(status, 0, "kill({}, {signal})", child.id());
+}
+
 /// Runs `edgemoe args…` with `stdin` (nothing if `None`) on its standard input.
 pub fn run(args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = spawn(args, Stdio::piped());
