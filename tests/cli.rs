@@ -8,7 +8,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::cli::{assert_fails, mkfifo, run, run_with_closed_stdout, run_within, stderr, stdout};
+use common::cli::{
+    assert_fails, assert_usage, mkfifo, run, run_with_closed_stdout, run_within, stderr, stdout,
+};
 use common::golden::{decoder_golden, samsum_golden};
 
 use edgemoe::bundle::EXPERTS_FILE;
@@ -552,7 +554,7 @@ fn bench_smoke_two_modes_with_emulated_storage() {
         ],
         Some("hi"),
     );
-    assert_fails(&bad, &["pi-zero", "rpi4-sd"]);
+    assert_usage(&bad, &["pi-zero", "rpi4-sd"]);
     let bad = run(
         &[
             "summarize",
@@ -574,7 +576,180 @@ fn bench_smoke_two_modes_with_emulated_storage() {
         ],
         Some("hi"),
     );
-    assert_fails(&bad, &["emulate", "profile"]);
+    assert_usage(&bad, &["emulate", "--profile"]);
+}
+
+/// Every usage error — a value a flag cannot take, an unknown policy, mode, profile or device
+/// name, flags that do not go together — exits 2 before any work starts (the model named here
+/// does not exist, so a check made after opening it would fail differently). Several exited 1,
+/// found only after the bundle was loaded.
+#[test]
+fn every_usage_error_exits_2_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-bundle");
+    let m = missing.to_str().unwrap();
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n").unwrap();
+    let d = data.to_str().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let t = trace.to_str().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["summarize", "--model", m, "--profile", "pi-zero"],
+            &["pi-zero", "rpi4-sd"],
+        ),
+        (
+            &["summarize", "--model", m, "--policy", "belady"],
+            &["belady", "replay"],
+        ),
+        (&["summarize", "--model", m, "--policy", "mru"], &["mru"]),
+        (&["summarize", "--model", m, "--mode", "turbo"], &["turbo"]),
+        (
+            &["summarize", "--model", m, "--device", "gpu"],
+            &["gpu", "cuda:N"],
+        ),
+        (
+            &["summarize", "--model", m, "--device", "cuda:x"],
+            &["cuda:x"],
+        ),
+        (
+            &["summarize", "--model", m, "--storage", "emulate"],
+            &["emulate", "--profile"],
+        ),
+        (
+            &["summarize", "--model", m, "--mode", "io-free", "--trace", t],
+            &["--trace", "io-free"],
+        ),
+        (
+            &["summarize", "--model", m, "--mode", "q"],
+            &["`q`", "--quantized"],
+        ),
+        (
+            &[
+                "summarize",
+                "--model",
+                m,
+                "--prefetch-cap",
+                "1MiB",
+                "--no-prefetch",
+            ],
+            &["--prefetch-cap", "--no-prefetch"],
+        ),
+        (
+            &[
+                "generate", "--model", m, "--prompt", "x", "--device", "cuda",
+            ],
+            &["--device cpu"],
+        ),
+        (
+            &["eval", "--model", m, "--data", d, "--limit", "0"],
+            &["--limit"],
+        ),
+        (
+            &["eval", "--model", m, "--data", d, "--policy", "belady"],
+            &["belady"],
+        ),
+        (
+            &["calibrate", "--model", m, "--data", d, "--limit", "0"],
+            &["--limit"],
+        ),
+        (
+            &["calibrate", "--model", m, "--data", d, "--eval-limit", "0"],
+            &["--eval-limit"],
+        ),
+        (
+            &[
+                "tune-bits",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--max-loss",
+                "5%",
+                "--limit",
+                "0",
+                "--out",
+                "p.json",
+            ],
+            &["--limit"],
+        ),
+        (
+            &[
+                "tune-bits",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--max-loss",
+                "150%",
+                "--out",
+                "p.json",
+            ],
+            &["--max-loss"],
+        ),
+        (
+            &[
+                "bench", "--model", m, "--data", d, "--limit", "0", "--out", "o",
+            ],
+            &["--limit"],
+        ),
+        (
+            &[
+                "bench",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--profile",
+                "pi-zero",
+                "--out",
+                "o",
+            ],
+            &["pi-zero"],
+        ),
+        (
+            &[
+                "bench",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--buffer-experts",
+                "4,0",
+                "--out",
+                "o",
+            ],
+            &["--buffer-experts"],
+        ),
+        (
+            &[
+                "bench",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--modes",
+                "edgemoe,turbo",
+                "--out",
+                "o",
+            ],
+            &["turbo"],
+        ),
+        (&["replay", "--trace", t, "--policy", "lru,mru"], &["mru"]),
+        (&["replay", "--trace", t, "--slots", "4,0"], &["--slots"]),
+        (
+            &["convert", "--hf", m, "--out", "o", "--bits", "3"],
+            &["--bits"],
+        ),
+        (
+            &["convert", "--hf", m, "--out", "o", "--resident", "int3"],
+            &["--resident"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let out = run(args, None);
+        assert_usage(&out, needles);
+    }
 }
 
 #[test]

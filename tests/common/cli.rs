@@ -65,6 +65,21 @@ pub fn assert_fails(out: &Output, needles: &[&str]) {
     }
 }
 
+/// Asserts a usage error: exit code 2, an `error:` line mentioning every `needle`, no panic.
+pub fn assert_usage(out: &Output, needles: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error: ")).count(),
+        1,
+        "stderr: {err}"
+    );
+    for needle in needles {
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+    }
+}
+
 /// Runs `edgemoe args…` with its standard output a pipe whose reading end is closed before the
 /// program writes anything (as `edgemoe … | head -0` would), and no standard input.
 pub fn run_with_closed_stdout(args: &[&str]) -> Output {
