@@ -752,6 +752,64 @@ fn every_usage_error_exits_2_before_any_work() {
     }
 }
 
+/// `bench` whose every run fails exits 1 saying so (it exited 0 with an empty table); when some
+/// runs fail, the others' results are kept, the failures listed in `results.md` and counted on
+/// standard error, exit 0.
+#[test]
+fn bench_fails_when_every_run_fails_and_keeps_partial_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let data = dir.path().join("one.jsonl");
+    std::fs::write(
+        &data,
+        "{\"dialogue\": \"Ann: the bus is late. Bob: ok.\"}\n",
+    )
+    .unwrap();
+    let bench = |budgets: &str, out: &str| {
+        let out = dir.path().join(out);
+        let result = run(
+            &[
+                "bench",
+                "--model",
+                bundle.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--limit",
+                "1",
+                "--profile",
+                "rpi5-nvme",
+                "--modes",
+                "edgemoe",
+                "--budgets",
+                budgets,
+                "--max-new-tokens",
+                "4",
+                "--no-cgroup",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            None,
+        );
+        (result, out)
+    };
+    let (all_failed, _) = bench("1MiB", "all");
+    assert_fails(&all_failed, &["every run", "1 of 1", "budget"]);
+
+    let (partial, out) = bench("1MiB,1GiB", "partial");
+    let err = stderr(&partial);
+    assert!(partial.status.success(), "{err}");
+    assert!(err.contains("1 of 2 runs failed"), "{err}");
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 1, "{rows}");
+    assert_eq!(rows[0]["budget_bytes"], 1u64 << 30);
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(
+        md.contains("1 of 2 runs failed") && md.contains("budget"),
+        "{md}"
+    );
+}
+
 #[test]
 fn probe_storage_measures_every_size_and_depth() {
     let dir = tempfile::tempdir().unwrap();

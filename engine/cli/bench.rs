@@ -98,5 +98,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         report.results_md.display(),
         args.out.display()
     );
+    if !report.failed.is_empty() {
+        eprintln!(
+            "warning: {} of {} runs failed (listed in {}); the results hold the others",
+            report.failed.len(),
+            report.failed.len() + report.rows.len(),
+            report.results_md.display()
+        );
+    }
     Ok(())
 }
