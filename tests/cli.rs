@@ -1425,6 +1425,61 @@ fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
         Some("Anna: are we meeting at 5?\n"),
     );
     assert!(out.status.success(), "{}", stderr(&out));
+
+    // More compute threads than cores: a usage error (65,535 threads ran for minutes).
+    let input = dir.path().join("hi.txt");
+    std::fs::write(&input, "Anna: hi\n").unwrap();
+    let out = run_within(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+            "--threads",
+            "65535",
+        ],
+        60,
+    );
+    assert_usage(&out, &["--threads", "65535", "core"]);
+
+    // tune-bits has no budget: a decoding length this machine cannot hold is refused up front
+    // (it decoded on, growing, for hours).
+    let data = dir.path().join("val.jsonl");
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n").unwrap();
+    let plan = dir.path().join("plan.json");
+    let out = run_within(
+        &[
+            "tune-bits",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--max-loss",
+            "5%",
+            "--max-new-tokens",
+            "18446744073709551615",
+            "--out",
+            plan.to_str().unwrap(),
+        ],
+        60,
+    );
+    assert_fails(&out, &["--max-new-tokens", "working memory"]);
+
+    // A probe file larger than the free space is refused before a byte is written.
+    let probe = dir.path().join("probe");
+    std::fs::create_dir(&probe).unwrap();
+    let out = run_within(
+        &[
+            "probe-storage",
+            probe.to_str().unwrap(),
+            "--size",
+            "1000000GiB",
+        ],
+        60,
+    );
+    assert_fails(&out, &["does not fit", "free"]);
+    assert_eq!(std::fs::read_dir(&probe).unwrap().count(), 0);
 }
 
 /// The error line names each cause once: the library's errors already carry their cause, so the

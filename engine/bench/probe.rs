@@ -74,6 +74,17 @@ impl ProbeFile {
                 format_bytes(MIN_PROBE_BYTES)
             )));
         }
+        // A size the device cannot hold is refused before a byte is written (it would fill the
+        // disk and then fail).
+        let free = free_bytes(path)?;
+        if size > free {
+            return Err(Error::Input(format!(
+                "a probe file of {} does not fit in {}: {} free",
+                format_bytes(size),
+                path.display(),
+                format_bytes(free)
+            )));
+        }
         let file_path = path.join(format!("edgemoe-probe-{}.bin", std::process::id()));
         // Owned (removed on drop, and on an interrupt) before it exists: a write that fails
         // half-way (a full disk) or a Ctrl-C while it is written leaves nothing behind.
@@ -102,6 +113,19 @@ impl ProbeFile {
         probe.size = written;
         Ok(probe)
     }
+}
+
+/// Bytes an unprivileged user may still write on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let name = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| Error::Input(format!("{}: a path with a NUL byte", dir.display())))?;
+    // SAFETY: statvfs fills a struct we own from a NUL-terminated path.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(name.as_ptr(), &mut stat) } != 0 {
+        return Err(Error::io(dir, std::io::Error::last_os_error()));
+    }
+    Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
 }
 
 impl Drop for ProbeFile {

@@ -132,7 +132,7 @@ pub struct CacheArgs {
     #[arg(long, value_name = "MODE", default_value = "direct", value_parser = parse_storage)]
     storage: StorageMode,
     /// Compute threads (default: the profile's, else the cores minus one for the prefetch thread).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, value_name = "N", value_parser = parse_threads)]
     threads: Option<u16>,
     /// Where the dense math runs: cpu, cuda or cuda:N (default: the profile's, else cpu).
     /// CUDA is untested on hardware: experts are decoded on the host and moved to the GPU.
@@ -278,6 +278,19 @@ pub fn parse_device_name(text: &str) -> std::result::Result<String, String> {
         Err(format!(
             "unknown device `{text}` (expected cpu, cuda or cuda:N)"
         ))
+    }
+}
+
+/// Compute threads: from 1 to the cores this process may use. More only wait for each other
+/// (libtorch's OpenMP threads spin), and a huge count spawned tens of thousands of threads.
+pub fn parse_threads(text: &str) -> std::result::Result<u16, String> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match text.trim().parse::<u64>() {
+        Ok(n) if n >= 1 && n <= cores as u64 => Ok(n as u16),
+        Ok(n) => Err(format!(
+            "{n} compute threads: expected 1 to the {cores} core(s) available here"
+        )),
+        Err(e) => Err(format!("`{text}` is not a thread count: {e}")),
     }
 }
 

@@ -38,7 +38,7 @@ use crate::generation::session::{input_ids, run_model};
 use crate::ids::ExpertId;
 use crate::interrupt::RemoveOnInterrupt;
 use crate::io::write_json;
-use crate::model::Model;
+use crate::model::{Model, RunShape};
 use crate::offline::bit_plan::BitPlan;
 use crate::offline::calibrate::document_input_tokens;
 use crate::offline::convert::{convert, ConvertOptions};
@@ -553,6 +553,22 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
     let mut decode = DecodeOptions::from_defaults(generation);
     decode.num_beams = 1;
     decode.max_new_tokens = options.max_new_tokens.unwrap_or(generation.max_new_tokens);
+    // Tuning runs without a budget, so a decoding length whose working memory this machine
+    // cannot hold is refused here (a huge --max-new-tokens ran on, growing, for hours).
+    let working = model.working_bytes(RunShape {
+        max_source_tokens: document_input_tokens(&bundle),
+        max_new_tokens: decode.max_new_tokens,
+        beams: 1,
+    });
+    let memory = physical_memory_bytes();
+    if working > memory {
+        return Err(Error::Input(format!(
+            "--max-new-tokens {}: decoding that far needs {} of working memory, more than this machine's {}",
+            decode.max_new_tokens,
+            crate::units::format_bytes(working),
+            crate::units::format_bytes(memory)
+        )));
+    }
     let mut tuner = Tuner::new(
         TuneModel {
             model: &model,
@@ -612,6 +628,21 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
         plan_path: out.clone(),
         report_path,
     })
+}
+
+/// The machine's physical memory (`u64::MAX` when it cannot be told).
+fn physical_memory_bytes() -> u64 {
+    // SAFETY: sysconf only reads system constants.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || page <= 0 {
+        return u64::MAX;
+    }
+    (pages as u64).saturating_mul(page as u64)
 }
 
 /// A short stable key for a set of experts.
