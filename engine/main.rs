@@ -1,4 +1,5 @@
-//! The `edgemoe` command line. Parses arguments, runs the command, prints an error once.
+//! The `edgemoe` command line. Parses arguments, runs the command, prints an error once: exit
+//! status 1 for an error, 2 for a usage error (clap's, or [`cli::Usage`] found after parsing).
 
 mod cli;
 
@@ -19,9 +20,16 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Before any other thread: an interrupted run removes its temporary files.
+    edgemoe::interrupt::install();
     let args = cli::Cli::parse();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
+        // Flags that do not go together: exit status 2, as clap's usage errors.
+        Err(error) if error.downcast_ref::<cli::Usage>().is_some() => {
+            eprintln!("error: {error}\n\nFor more information, try '--help'.");
+            ExitCode::from(2)
+        }
         Err(error) => {
             eprintln!("error: {}", one_line(&error));
             ExitCode::FAILURE

@@ -367,3 +367,60 @@ fn decoder_tiny_buffer_with_prefetch_keeps_its_slots_and_shuts_down() {
         }
     }
 }
+
+/// A prefetch read that fails its checksum ends the run with that error, as a failed demand
+/// read does, even when the expert is never demanded, and its bytes count as read. It was
+/// dropped quietly: read again at every prediction, and left out of the statistics.
+#[test]
+fn a_prefetch_that_fails_its_checksum_is_reported_and_counted() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::convert_to(&common::fixture("tiny-mixtral"), dir.path());
+    let (a, b) = {
+        let store = Bundle::open(&path).unwrap().open_store().unwrap();
+        let ids: Vec<ExpertId> = store.index().experts.iter().map(|e| e.id).collect();
+        (ids[0], ids[1])
+    };
+    common::checkpoint::flip_expert_byte(&path, b);
+    let bundle = Bundle::open(&path).unwrap();
+    let store = bundle.open_store().unwrap();
+    let length = |id| store.entry(id).unwrap().length;
+    let (a_bytes, b_bytes) = (length(a), length(b));
+    let mut buffer = ExpertBuffer::with_options(
+        bundle.open_store().unwrap(),
+        &bundle.config.model,
+        &BufferOptions {
+            slots: 4,
+            policy: Policy::Lru,
+            prefetch: true,
+            prefetch_cap_bytes: u64::MAX,
+        },
+        None,
+    )
+    .unwrap();
+    // `a` read on demand; `b`, the next expert, handed to the prefetch thread.
+    assert!(buffer.expert(a, Some(b)).is_ok());
+    // `a` again (a hit) until the prefetch of `b` has come back: never demanded, it must still
+    // be reported.
+    let started = std::time::Instant::now();
+    let error = loop {
+        if let Err(e) = buffer.expert(a, None) {
+            break e;
+        }
+        assert!(
+            started.elapsed().as_secs() < 20,
+            "the failed prefetch of {b} was never reported"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    match error {
+        edgemoe::Error::Checksum { expert, .. } => assert_eq!(expert, b),
+        other => panic!("expected the checksum error of {b}, got {other}"),
+    }
+    let stats = buffer.stats();
+    assert_eq!(stats.prefetch.issued, 1);
+    assert_eq!(stats.prefetch.failed, 1);
+    assert_eq!(stats.prefetch.bytes_read, b_bytes);
+    assert_eq!(stats.bytes_read, a_bytes + b_bytes);
+}

@@ -150,3 +150,83 @@ fn tune_bits_plans_swiglu_experts() {
         assert_eq!(Some(e.encoding), loaded.encoding(e.id));
     }
 }
+
+/// `tune-bits` reuses its measurement cache only for the model, data and options it was made
+/// with: the decoder fixtures share one tokenizer, so the same data tokenizes to the same
+/// inputs for each, and a cache keyed on the inputs alone handed one model's measurements to
+/// another (tiny-qwen2-moe was tuned with tiny-mixtral's losses).
+#[test]
+fn tune_bits_cache_is_keyed_on_the_model_and_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let golden = decoder_golden("tiny-mixtral");
+    let data = dir.path().join("val.jsonl");
+    let lines: Vec<String> = golden
+        .cases
+        .iter()
+        .map(|c| serde_json::json!({"document": c.prompt, "summary": c.greedy_text}).to_string())
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let plan = dir.path().join("plan.json");
+    let cache = dir.path().join("plan.measurements.json");
+    let tune = |bundle: &std::path::Path, new_tokens: &str| {
+        stdout(&run(
+            &[
+                "tune-bits",
+                "--model",
+                bundle.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--max-loss",
+                "10%",
+                "--max-new-tokens",
+                new_tokens,
+                "--out",
+                plan.to_str().unwrap(),
+            ],
+            None,
+        ))
+    };
+    let int8_loss = || -> f64 {
+        let report: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("plan.report.json")).unwrap(),
+        )
+        .unwrap();
+        report["tune"]["uniform_loss"]["int8"].as_f64().unwrap()
+    };
+    // Every cached loss replaced by a value no measurement gives: a reuse shows in the report.
+    let poison = || {
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cache).unwrap()).unwrap();
+        for loss in json["losses"].as_object_mut().unwrap().values_mut() {
+            *loss = serde_json::json!(0.4321);
+        }
+        std::fs::write(&cache, json.to_string()).unwrap();
+    };
+    // Both with f32 experts, so nothing but the model tells them apart.
+    let f32 = || BitPlan::uniform(ExpertEncoding::Float(edgemoe::weights::WeightDtype::F32));
+    let first = common::convert_with(
+        &common::fixture("tiny-mixtral"),
+        &dir.path().join("a"),
+        f32(),
+    );
+    let second = common::convert_with(
+        &common::fixture("tiny-qwen2-moe"),
+        &dir.path().join("b"),
+        f32(),
+    );
+    tune(&first, "8");
+    poison();
+    // The same model, data and options: the cache is used (and says so).
+    let text = tune(&first, "8");
+    assert!(text.contains("reused"), "{text}");
+    assert_eq!(int8_loss(), 0.4321);
+    // Another model with the same tokenizer and data: measured afresh.
+    poison();
+    let text = tune(&second, "8");
+    assert!(!text.contains("reused"), "{text}");
+    assert_ne!(int8_loss(), 0.4321);
+    // Another decoding length: measured afresh.
+    poison();
+    tune(&second, "6");
+    assert_ne!(int8_loss(), 0.4321);
+}

@@ -8,7 +8,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::cli::{assert_fails, mkfifo, run, run_with_closed_stdout, run_within, stderr, stdout};
+use common::cli::{
+    assert_fails, assert_usage, mkfifo, run, run_with_closed_stdout, run_within, stderr, stdout,
+};
 use common::golden::{decoder_golden, samsum_golden};
 
 use edgemoe::bundle::EXPERTS_FILE;
@@ -452,6 +454,38 @@ fn rouge_scores_files_and_eval_scores_a_corpus() {
     assert_fails(&out, &["two.jsonl line 1", "summary"]);
 }
 
+/// ROUGE on one very long line: the LCS of two 1 MiB single-line texts of 524,288 tokens each
+/// (a two-word alphabet, the worst case for matching pairs) took the table algorithm minutes to
+/// hours; bit-parallel it takes seconds. Twice as many tokens is refused by name, not run.
+#[test]
+fn rouge_on_one_very_long_line_finishes_in_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let pred = dir.path().join("pred.txt");
+    let reference = dir.path().join("ref.txt");
+    std::fs::write(&pred, "a ".repeat(1 << 19)).unwrap();
+    std::fs::write(&reference, "b a ".repeat(1 << 18)).unwrap();
+    let args = [
+        "rouge",
+        "--pred",
+        pred.to_str().unwrap(),
+        "--ref",
+        reference.to_str().unwrap(),
+        "--json",
+    ];
+    let out = run_within(&args, 60);
+    let scores: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    // Every `a` of the reference is matched in order: LCS 262,144 of 524,288 tokens each side.
+    assert_eq!(scores["rouge_l"]["precision"], 0.5, "{scores}");
+    assert_eq!(scores["rouge_l"]["recall"], 0.5, "{scores}");
+
+    std::fs::write(&pred, "a ".repeat(1 << 20)).unwrap();
+    let out = run_within(&args, 60);
+    assert_fails(
+        &out,
+        &["pred.txt", "line 1", "1048576-token prediction", "ROUGE-L"],
+    );
+}
+
 #[test]
 fn bench_smoke_two_modes_with_emulated_storage() {
     let dir = tempfile::tempdir().unwrap();
@@ -523,7 +557,7 @@ fn bench_smoke_two_modes_with_emulated_storage() {
         ],
         Some("hi"),
     );
-    assert_fails(&bad, &["pi-zero", "rpi4-sd"]);
+    assert_usage(&bad, &["pi-zero", "rpi4-sd"]);
     let bad = run(
         &[
             "summarize",
@@ -545,7 +579,238 @@ fn bench_smoke_two_modes_with_emulated_storage() {
         ],
         Some("hi"),
     );
-    assert_fails(&bad, &["emulate", "profile"]);
+    assert_usage(&bad, &["emulate", "--profile"]);
+}
+
+/// Every usage error — a value a flag cannot take, an unknown policy, mode, profile or device
+/// name, flags that do not go together — exits 2 before any work starts (the model named here
+/// does not exist, so a check made after opening it would fail differently). Several exited 1,
+/// found only after the bundle was loaded.
+#[test]
+fn every_usage_error_exits_2_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-bundle");
+    let m = missing.to_str().unwrap();
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n").unwrap();
+    let d = data.to_str().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let t = trace.to_str().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["summarize", "--model", m, "--profile", "pi-zero"],
+            &["pi-zero", "rpi4-sd"],
+        ),
+        (
+            &["summarize", "--model", m, "--policy", "belady"],
+            &["belady", "replay"],
+        ),
+        (&["summarize", "--model", m, "--policy", "mru"], &["mru"]),
+        (&["summarize", "--model", m, "--mode", "turbo"], &["turbo"]),
+        (
+            &["summarize", "--model", m, "--device", "gpu"],
+            &["gpu", "cuda:N"],
+        ),
+        (
+            &["summarize", "--model", m, "--device", "cuda:x"],
+            &["cuda:x"],
+        ),
+        (
+            &["summarize", "--model", m, "--storage", "emulate"],
+            &["emulate", "--profile"],
+        ),
+        (
+            &["summarize", "--model", m, "--mode", "io-free", "--trace", t],
+            &["--trace", "io-free"],
+        ),
+        (
+            &["summarize", "--model", m, "--mode", "q"],
+            &["`q`", "--quantized"],
+        ),
+        (
+            &[
+                "summarize",
+                "--model",
+                m,
+                "--prefetch-cap",
+                "1MiB",
+                "--no-prefetch",
+            ],
+            &["--prefetch-cap", "--no-prefetch"],
+        ),
+        (
+            &[
+                "generate", "--model", m, "--prompt", "x", "--device", "cuda",
+            ],
+            &["--device cpu"],
+        ),
+        (
+            &["eval", "--model", m, "--data", d, "--limit", "0"],
+            &["--limit"],
+        ),
+        (
+            &["eval", "--model", m, "--data", d, "--policy", "belady"],
+            &["belady"],
+        ),
+        (
+            &["calibrate", "--model", m, "--data", d, "--limit", "0"],
+            &["--limit"],
+        ),
+        (
+            &["calibrate", "--model", m, "--data", d, "--eval-limit", "0"],
+            &["--eval-limit"],
+        ),
+        (
+            &[
+                "tune-bits",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--max-loss",
+                "5%",
+                "--limit",
+                "0",
+                "--out",
+                "p.json",
+            ],
+            &["--limit"],
+        ),
+        (
+            &[
+                "tune-bits",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--max-loss",
+                "150%",
+                "--out",
+                "p.json",
+            ],
+            &["--max-loss"],
+        ),
+        (
+            &[
+                "bench", "--model", m, "--data", d, "--limit", "0", "--out", "o",
+            ],
+            &["--limit"],
+        ),
+        (
+            &[
+                "bench",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--profile",
+                "pi-zero",
+                "--out",
+                "o",
+            ],
+            &["pi-zero"],
+        ),
+        (
+            &[
+                "bench",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--buffer-experts",
+                "4,0",
+                "--out",
+                "o",
+            ],
+            &["--buffer-experts"],
+        ),
+        (
+            &[
+                "bench",
+                "--model",
+                m,
+                "--data",
+                d,
+                "--modes",
+                "edgemoe,turbo",
+                "--out",
+                "o",
+            ],
+            &["turbo"],
+        ),
+        (&["replay", "--trace", t, "--policy", "lru,mru"], &["mru"]),
+        (&["replay", "--trace", t, "--slots", "4,0"], &["--slots"]),
+        (
+            &["convert", "--hf", m, "--out", "o", "--bits", "3"],
+            &["--bits"],
+        ),
+        (
+            &["convert", "--hf", m, "--out", "o", "--resident", "int3"],
+            &["--resident"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let out = run(args, None);
+        assert_usage(&out, needles);
+    }
+}
+
+/// `bench` whose every run fails exits 1 saying so (it exited 0 with an empty table); when some
+/// runs fail, the others' results are kept, the failures listed in `results.md` and counted on
+/// standard error, exit 0.
+#[test]
+fn bench_fails_when_every_run_fails_and_keeps_partial_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(dir.path());
+    let data = dir.path().join("one.jsonl");
+    std::fs::write(
+        &data,
+        "{\"dialogue\": \"Ann: the bus is late. Bob: ok.\"}\n",
+    )
+    .unwrap();
+    let bench = |budgets: &str, out: &str| {
+        let out = dir.path().join(out);
+        let result = run(
+            &[
+                "bench",
+                "--model",
+                bundle.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--limit",
+                "1",
+                "--profile",
+                "rpi5-nvme",
+                "--modes",
+                "edgemoe",
+                "--budgets",
+                budgets,
+                "--max-new-tokens",
+                "4",
+                "--no-cgroup",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            None,
+        );
+        (result, out)
+    };
+    let (all_failed, _) = bench("1MiB", "all");
+    assert_fails(&all_failed, &["every run", "1 of 1", "budget"]);
+
+    let (partial, out) = bench("1MiB,1GiB", "partial");
+    let err = stderr(&partial);
+    assert!(partial.status.success(), "{err}");
+    assert!(err.contains("1 of 2 runs failed"), "{err}");
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 1, "{rows}");
+    assert_eq!(rows[0]["budget_bytes"], 1u64 << 30);
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(
+        md.contains("1 of 2 runs failed") && md.contains("budget"),
+        "{md}"
+    );
 }
 
 #[test]
@@ -577,6 +842,77 @@ fn probe_storage_measures_every_size_and_depth() {
         None,
     );
     assert_fails(&missing, &["nope"]);
+}
+
+/// `probe-storage --size 0` (or any size below the 8 MiB a probe needs) is a usage error naming
+/// `--size`, not "failed to fill whole buffer" after writing an empty file; so is a bad
+/// `--seconds`.
+#[test]
+fn probe_storage_refuses_tiny_sizes_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    for size in ["0", "1", "4KiB", "8388607"] {
+        let out = run(&["probe-storage", d, "--size", size], None);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "--size {size}: {err}");
+        assert!(
+            err.contains("--size") && err.contains("at least 8.00 MiB"),
+            "{err}"
+        );
+    }
+    for seconds in ["0", "-1", "61", "nan"] {
+        let flag = format!("--seconds={seconds}");
+        let out = run(&["probe-storage", d, &flag], None);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "--seconds {seconds}: {err}");
+        assert!(err.contains("--seconds"), "{err}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// An interrupted `probe-storage` (SIGINT while the test file is written, SIGTERM while it is
+/// read) removes its test file and dies of the signal; it left 256 MiB behind.
+#[test]
+fn interrupted_probe_storage_removes_its_test_file() {
+    use std::os::unix::process::ExitStatusExt;
+    for (signal, size, seconds) in [
+        (libc::SIGINT, "64GiB", "0.5"),
+        (libc::SIGTERM, "8MiB", "30"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = common::cli::start(&[
+            "probe-storage",
+            dir.path().to_str().unwrap(),
+            "--size",
+            size,
+            "--seconds",
+            seconds,
+        ]);
+        // Wait for the file to exist and (for the second case) to be fully written.
+        let started = std::time::Instant::now();
+        let want = if signal == libc::SIGINT { 1 } else { 8 << 20 };
+        loop {
+            let len = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .max();
+            if len.is_some_and(|len| len >= want) {
+                break;
+            }
+            assert!(child.try_wait().unwrap().is_none(), "probe ended early");
+            assert!(started.elapsed().as_secs() < 60, "no probe file appeared");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if signal == libc::SIGTERM {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        common::cli::send_signal(&child, signal);
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(signal), "{status:?}");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
 }
 
 #[test]
@@ -1092,6 +1428,61 @@ fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
         Some("Anna: are we meeting at 5?\n"),
     );
     assert!(out.status.success(), "{}", stderr(&out));
+
+    // More compute threads than cores: a usage error (65,535 threads ran for minutes).
+    let input = dir.path().join("hi.txt");
+    std::fs::write(&input, "Anna: hi\n").unwrap();
+    let out = run_within(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+            "--threads",
+            "65535",
+        ],
+        60,
+    );
+    assert_usage(&out, &["--threads", "65535", "core"]);
+
+    // tune-bits has no budget: a decoding length this machine cannot hold is refused up front
+    // (it decoded on, growing, for hours).
+    let data = dir.path().join("val.jsonl");
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n").unwrap();
+    let plan = dir.path().join("plan.json");
+    let out = run_within(
+        &[
+            "tune-bits",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--max-loss",
+            "5%",
+            "--max-new-tokens",
+            "18446744073709551615",
+            "--out",
+            plan.to_str().unwrap(),
+        ],
+        60,
+    );
+    assert_fails(&out, &["--max-new-tokens", "working memory"]);
+
+    // A probe file larger than the free space is refused before a byte is written.
+    let probe = dir.path().join("probe");
+    std::fs::create_dir(&probe).unwrap();
+    let out = run_within(
+        &[
+            "probe-storage",
+            probe.to_str().unwrap(),
+            "--size",
+            "1000000GiB",
+        ],
+        60,
+    );
+    assert_fails(&out, &["does not fit", "free"]);
+    assert_eq!(std::fs::read_dir(&probe).unwrap().count(), 0);
 }
 
 /// The error line names each cause once: the library's errors already carry their cause, so the

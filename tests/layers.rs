@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first. The binary (L6) is `engine/main.rs` and `engine/cli/**`.
 const LAYERS: &[(usize, &[&str])] = &[
-    (0, &["error", "ids", "units", "io", "atomic"]),
+    (0, &["error", "ids", "units", "io", "atomic", "interrupt"]),
     (
         1,
         &[

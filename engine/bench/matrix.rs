@@ -241,7 +241,9 @@ fn row(run: &BenchRun, profile: &str, budget_bytes: u64, stats: &RunStats) -> Be
 }
 
 /// Runs the matrix and writes `input.jsonl`, `runs/*.json`, `results.json`, `results.md` and the
-/// charts into `out`. A run that fails is reported (and left out of the results); a run whose
+/// charts into `out`. A run that fails is reported (in [`BenchReport::failed`] and `results.md`)
+/// and left out of the results, which keep every run that succeeded; when every run fails there
+/// is nothing to report and the benchmark is an error quoting the first failure. A run whose
 /// statistics cannot be read back is an error.
 pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
     let profile = DeviceProfile::load(&options.profile)?;
@@ -364,10 +366,22 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         });
     }
     progress.finish_and_clear();
+    if rows.is_empty() {
+        if let Some(first) = failed.first() {
+            return Err(Error::Input(format!(
+                "every run of the benchmark failed ({} of {}), nothing to report; the first, {} ({}): {}",
+                failed.len(),
+                runs.len(),
+                first.label,
+                first.status,
+                first.reason()
+            )));
+        }
+    }
 
     let results_json = out.join("results.json");
     write_json(&results_json, &rows)?;
-    let markdown = format!(
+    let mut markdown = format!(
         "{} documents from {}, profile {} ({}), storage {:?}{}\n\n{}",
         documents.len(),
         options.data.display(),
@@ -380,6 +394,16 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
             .unwrap_or_default(),
         crate::bench::report::markdown(&rows)
     );
+    if !failed.is_empty() {
+        markdown.push_str(&format!(
+            "\n{} of {} runs failed:\n\n",
+            failed.len(),
+            runs.len()
+        ));
+        for f in &failed {
+            markdown.push_str(&format!("- {} ({}): {}\n", f.label, f.status, f.reason()));
+        }
+    }
     let results_md = out.join("results.md");
     crate::atomic::write_file(&results_md, markdown.as_bytes())?;
     write_charts(

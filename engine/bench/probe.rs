@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::interrupt::RemoveOnInterrupt;
 use crate::store::AlignedBuf;
+use crate::units::format_bytes;
 
 pub const READ_SIZES: [u64; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
 pub const IN_FLIGHT: [usize; 5] = [1, 2, 4, 8, 16];
@@ -28,12 +30,16 @@ pub struct ProbeResult {
     pub latency_us: f64,
 }
 
+/// Smallest probe: the largest read (4 MiB) twice over.
+pub const MIN_PROBE_BYTES: u64 = 8 << 20;
+
 /// A test file: `path` itself if it is a file, else a new file of `size` bytes in the directory
-/// (removed when dropped).
+/// (removed when dropped, or when the run is interrupted).
 pub struct ProbeFile {
     pub path: PathBuf,
     pub size: u64,
     created: bool,
+    _interrupted: Option<RemoveOnInterrupt>,
 }
 
 impl ProbeFile {
@@ -42,7 +48,7 @@ impl ProbeFile {
             let size = std::fs::metadata(path)
                 .map_err(|e| Error::io(path, e))?
                 .len();
-            if size < 8 << 20 {
+            if size < MIN_PROBE_BYTES {
                 return Err(Error::Input(format!(
                     "{}: {size} bytes is too small to probe (need at least 8 MiB)",
                     path.display()
@@ -52,6 +58,7 @@ impl ProbeFile {
                 path: path.to_path_buf(),
                 size,
                 created: false,
+                _interrupted: None,
             });
         }
         if !path.is_dir() {
@@ -60,7 +67,34 @@ impl ProbeFile {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
             ));
         }
+        if size < MIN_PROBE_BYTES {
+            return Err(Error::Input(format!(
+                "a probe file of {} is too small (need at least {})",
+                format_bytes(size),
+                format_bytes(MIN_PROBE_BYTES)
+            )));
+        }
+        // A size the device cannot hold is refused before a byte is written (it would fill the
+        // disk and then fail).
+        let free = free_bytes(path)?;
+        if size > free {
+            return Err(Error::Input(format!(
+                "a probe file of {} does not fit in {}: {} free",
+                format_bytes(size),
+                path.display(),
+                format_bytes(free)
+            )));
+        }
         let file_path = path.join(format!("edgemoe-probe-{}.bin", std::process::id()));
+        // Owned (removed on drop, and on an interrupt) before it exists: a write that fails
+        // half-way (a full disk) or a Ctrl-C while it is written leaves nothing behind.
+        let mut probe = ProbeFile {
+            _interrupted: Some(RemoveOnInterrupt::new(&file_path)),
+            path: file_path,
+            size: 0,
+            created: true,
+        };
+        let file_path = probe.path.clone();
         let mut file = File::create(&file_path).map_err(|e| Error::io(&file_path, e))?;
         let mut chunk = vec![0u8; 1 << 20];
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
@@ -76,12 +110,22 @@ impl ProbeFile {
             written += chunk.len() as u64;
         }
         file.sync_all().map_err(|e| Error::io(&file_path, e))?;
-        Ok(ProbeFile {
-            path: file_path,
-            size: written,
-            created: true,
-        })
+        probe.size = written;
+        Ok(probe)
     }
+}
+
+/// Bytes an unprivileged user may still write on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let name = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| Error::Input(format!("{}: a path with a NUL byte", dir.display())))?;
+    // SAFETY: statvfs fills a struct we own from a NUL-terminated path.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(name.as_ptr(), &mut stat) } != 0 {
+        return Err(Error::io(dir, std::io::Error::last_os_error()));
+    }
+    Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
 }
 
 impl Drop for ProbeFile {

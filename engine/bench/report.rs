@@ -43,6 +43,20 @@ pub struct FailedRun {
     pub stderr: String,
 }
 
+impl FailedRun {
+    /// Why it failed, on one line: the child's `error:` line, else its last line of output.
+    pub fn reason(&self) -> String {
+        let mut lines = self.stderr.lines().map(str::trim).filter(|l| !l.is_empty());
+        lines
+            .clone()
+            .filter_map(|l| l.strip_prefix("error: "))
+            .next_back()
+            .or_else(|| lines.next_back())
+            .unwrap_or("no output")
+            .to_string()
+    }
+}
+
 impl std::fmt::Display for FailedRun {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(

@@ -10,13 +10,15 @@ use clap::Args;
 
 use edgemoe::atomic::refuse_overlap;
 use edgemoe::cache::Policy;
-use edgemoe::config::profile::{DeviceKind, DeviceProfile};
+use edgemoe::config::profile::{DeviceKind, DeviceProfile, BUILT_IN};
 use edgemoe::generation::report::RunStats;
 use edgemoe::generation::session::CacheOptions;
 use edgemoe::io::check_output_path;
 use edgemoe::runtime::modes::Mode;
 use edgemoe::store::{ExpertEncoding, StorageMode};
 use edgemoe::units::parse_bytes;
+
+use super::usage;
 
 /// Where `./setup.sh` puts the converted demo model; the default `--model`.
 pub const DEFAULT_BUNDLE: &str = "bundles/switch-samsum-tiny";
@@ -97,7 +99,7 @@ pub struct CacheArgs {
     /// Device profile: a built-in name (rpi4-sd, rpi5-sd, rpi5-nvme, jetson-tx2-ssd,
     /// jetson-tx2-hdd, jetson-orin-nano-nvme) or a TOML file. Sets budget, storage speed for
     /// `--storage emulate`, threads, device, policy and prefetch cap.
-    #[arg(long, value_name = "NAME|FILE")]
+    #[arg(long, value_name = "NAME|FILE", value_parser = parse_profile)]
     profile: Option<String>,
     /// Memory budget for resident weights + expert buffer + working memory (e.g. 1.5GiB,
     /// 600MiB; default: the profile's, else 1.5GiB).
@@ -111,14 +113,14 @@ pub struct CacheArgs {
     quantized: Option<PathBuf>,
     /// Eviction policy: edgemoe, edgemoe-paper, lru, lfu or fifo (default: the profile's, else
     /// edgemoe).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_online_policy)]
     policy: Option<Policy>,
     /// Do not start the prefetch thread (no dictionary prefetch, no read/compute overlap).
     #[arg(long)]
     no_prefetch: bool,
     /// Most speculative bytes prefetched per token (default: the profile's, else two experts
     /// per decoder MoE layer).
-    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget, conflicts_with = "no_prefetch")]
     prefetch_cap: Option<u64>,
     /// Size the expert buffer in experts instead of from the budget (still checked against it).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -132,11 +134,11 @@ pub struct CacheArgs {
     #[arg(long, value_name = "MODE", default_value = "direct", value_parser = parse_storage)]
     storage: StorageMode,
     /// Compute threads (default: the profile's, else the cores minus one for the prefetch thread).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, value_name = "N", value_parser = parse_threads)]
     threads: Option<u16>,
     /// Where the dense math runs: cpu, cuda or cuda:N (default: the profile's, else cpu).
     /// CUDA is untested on hardware: experts are decoded on the host and moved to the GPU.
-    #[arg(long, value_name = "DEVICE")]
+    #[arg(long, value_name = "DEVICE", value_parser = parse_device_name)]
     device: Option<String>,
 }
 
@@ -149,9 +151,27 @@ pub struct RunSettings {
 }
 
 impl CacheArgs {
-    /// Fails unless `--trace` can be written without touching any of `inputs` (or the
-    /// `--quantized` bundle): checked before any work starts.
+    /// Checked before any work starts: flags that do not go together (a [`Usage`] error, exit
+    /// status 2), and that `--trace` can be written without touching any of `inputs` (or the
+    /// `--quantized` bundle).
     pub fn check(&self, inputs: &[(&str, &Path)]) -> Result<()> {
+        if self.trace.is_some() && !self.mode.has_buffer() {
+            return Err(usage(format!(
+                "--trace records expert-buffer accesses: mode `{}` has no expert buffer (use edgemoe, q+p or q+p+c)",
+                self.mode
+            )));
+        }
+        if self.mode.uses_quantized_store() && self.quantized.is_none() {
+            return Err(usage(format!(
+                "mode `{}` needs a quantized bundle of the same model (--quantized BUNDLE)",
+                self.mode
+            )));
+        }
+        if self.storage == StorageMode::Emulate && self.profile.is_none() {
+            return Err(usage(
+                "--storage emulate paces reads to a device profile: pass --profile NAME|FILE",
+            ));
+        }
         if let Some(path) = &self.trace {
             check_output_path("--trace", path)?;
             refuse_overlap(("--trace", path), inputs)?;
@@ -160,6 +180,11 @@ impl CacheArgs {
             }
         }
         Ok(())
+    }
+
+    /// The device asked for by flag, if any.
+    pub fn device_flag(&self) -> Option<&str> {
+        self.device.as_deref()
     }
 
     /// Flags over profile over defaults; applies the thread count.
@@ -220,6 +245,65 @@ impl CacheArgs {
             profile,
             device,
         })
+    }
+}
+
+/// A built-in profile name, or the path of an existing file (read and validated later: a bad
+/// file is an error in the file, not in the flag).
+pub fn parse_profile(text: &str) -> std::result::Result<String, String> {
+    if BUILT_IN.iter().any(|(name, _)| *name == text) || Path::new(text).exists() {
+        return Ok(text.to_string());
+    }
+    let names: Vec<&str> = BUILT_IN.iter().map(|(name, _)| *name).collect();
+    Err(format!(
+        "unknown profile `{text}`: not a file, and not one of {}",
+        names.join(", ")
+    ))
+}
+
+/// An eviction policy a run can use: every policy but `belady`, which needs the future.
+pub fn parse_online_policy(text: &str) -> std::result::Result<Policy, String> {
+    match text.parse::<Policy>() {
+        Ok(Policy::Belady) => {
+            Err("policy `belady` needs the future: it is available in `edgemoe replay` only".into())
+        }
+        other => other,
+    }
+}
+
+/// `cpu`, `cuda` or `cuda:N` (whether CUDA is there is checked when the run starts).
+pub fn parse_device_name(text: &str) -> std::result::Result<String, String> {
+    let cuda_index = text
+        .strip_prefix("cuda:")
+        .is_some_and(|n| n.parse::<usize>().is_ok());
+    if text == "cpu" || text == "cuda" || cuda_index {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "unknown device `{text}` (expected cpu, cuda or cuda:N)"
+        ))
+    }
+}
+
+/// Compute threads: from 1 to the cores this process may use. More only wait for each other
+/// (libtorch's OpenMP threads spin), and a huge count spawned tens of thousands of threads.
+pub fn parse_threads(text: &str) -> std::result::Result<u16, String> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match text.trim().parse::<u64>() {
+        Ok(n) if n >= 1 && n <= cores as u64 => Ok(n as u16),
+        Ok(n) => Err(format!(
+            "{n} compute threads: expected 1 to the {cores} core(s) available here"
+        )),
+        Err(e) => Err(format!("`{text}` is not a thread count: {e}")),
+    }
+}
+
+/// A positive count (`--limit`, buffer sizes in experts): 0 is refused.
+pub fn parse_count(text: &str) -> std::result::Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("`{text}` is not a count: {e}")),
     }
 }
 

@@ -9,7 +9,7 @@ use edgemoe::bench::matrix::{run_bench, BenchOptions, BenchSizes};
 use edgemoe::runtime::modes::Mode;
 use edgemoe::store::StorageMode;
 
-use super::args::{parse_budget, parse_storage, DEFAULT_BUNDLE};
+use super::args::{parse_budget, parse_count, parse_profile, parse_storage, DEFAULT_BUNDLE};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -24,10 +24,10 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE.jsonl")]
     data: PathBuf,
     /// Use the first N documents.
-    #[arg(long, value_name = "N", default_value_t = 10)]
+    #[arg(long, value_name = "N", default_value = "10", value_parser = parse_count)]
     limit: usize,
     /// Device profile (built-in name or TOML file).
-    #[arg(long, value_name = "NAME|FILE", default_value = "rpi4-sd")]
+    #[arg(long, value_name = "NAME|FILE", default_value = "rpi4-sd", value_parser = parse_profile)]
     profile: String,
     /// Modes to compare.
     #[arg(
@@ -40,7 +40,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_budget, conflicts_with = "buffer_experts")]
     budgets: Vec<u64>,
     /// Buffer sizes in experts instead of budgets (for models far smaller than the board).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = parse_count)]
     buffer_experts: Vec<usize>,
     /// Storage: `emulate` paces reads to the profile (default), `direct`, `cached`.
     #[arg(long, default_value = "emulate", value_parser = parse_storage)]
@@ -106,5 +106,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         report.results_md.display(),
         args.out.display()
     );
+    if !report.failed.is_empty() {
+        eprintln!(
+            "warning: {} of {} runs failed (listed in {}); the results hold the others",
+            report.failed.len(),
+            report.failed.len() + report.rows.len(),
+            report.results_md.display()
+        );
+    }
     Ok(())
 }

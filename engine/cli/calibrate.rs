@@ -8,7 +8,7 @@ use clap::Args;
 use edgemoe::io::write_json;
 use edgemoe::offline::calibrate::{calibrate, CalibrateOptions};
 
-use super::args::{check_default_bundle, DEFAULT_BUNDLE};
+use super::args::{check_default_bundle, parse_count, DEFAULT_BUNDLE};
 
 #[derive(Args, Debug)]
 pub struct CalibrateArgs {
@@ -19,14 +19,14 @@ pub struct CalibrateArgs {
     #[arg(long, value_name = "FILE.jsonl")]
     data: PathBuf,
     /// Use the first N documents of --data.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_count)]
     limit: Option<usize>,
     /// Held-out corpus to measure the dictionary on (default: the last 10% of --data's documents,
     /// which are then left out of calibration).
     #[arg(long, value_name = "FILE.jsonl")]
     eval_data: Option<PathBuf>,
     /// Use the first N documents of --eval-data.
-    #[arg(long, value_name = "N", default_value_t = 100)]
+    #[arg(long, value_name = "N", default_value = "100", value_parser = parse_count)]
     eval_limit: usize,
     /// Also write the accuracy report as JSON.
     #[arg(long, value_name = "FILE")]

@@ -11,7 +11,7 @@ use edgemoe::generation::session::{Session, SessionOptions};
 use edgemoe::io::check_output_path;
 use edgemoe::offline::eval::{evaluate, read_examples};
 
-use super::args::{check_default_bundle, CacheArgs, DEFAULT_BUNDLE};
+use super::args::{check_default_bundle, parse_count, CacheArgs, DEFAULT_BUNDLE};
 use super::rouge::print_scores;
 
 #[derive(Args, Debug)]
@@ -23,7 +23,7 @@ pub struct EvalArgs {
     #[arg(long, value_name = "FILE.jsonl")]
     data: PathBuf,
     /// Use the first N examples.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_count)]
     limit: Option<usize>,
     /// Most tokens to generate per document (default: the model's generation config).
     #[arg(long, value_name = "N")]

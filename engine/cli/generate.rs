@@ -54,6 +54,11 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    if args.cache.device_flag().is_some_and(|d| d != "cpu") {
+        return Err(super::usage(
+            "decoder-only models run on the CPU in this build: pass --device cpu",
+        ));
+    }
     let inputs = [("--model", args.model.as_path())];
     args.output.check(&inputs)?;
     args.cache.check(&inputs)?;

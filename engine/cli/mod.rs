@@ -18,6 +18,25 @@ mod tune_bits;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+/// A usage error found after clap has parsed the arguments — flags that do not go together, a
+/// value this command cannot take — checked before any work starts. Reported like clap's own
+/// usage errors: one `error:` line and exit status 2.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// Fails with a [`Usage`] error.
+pub fn usage(message: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(Usage(message.into()))
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "edgemoe",

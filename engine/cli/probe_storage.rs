@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use edgemoe::bench::probe::{measure, ProbeFile, IN_FLIGHT, READ_SIZES};
+use edgemoe::bench::probe::{measure, ProbeFile, IN_FLIGHT, MIN_PROBE_BYTES, READ_SIZES};
 use edgemoe::units::format_bytes;
 
 use super::args::parse_budget;
@@ -15,21 +15,36 @@ pub struct ProbeArgs {
     /// A large file to read, or a directory on the device to probe (a test file is written
     /// there and removed).
     path: PathBuf,
-    /// Size of the test file written into a directory.
-    #[arg(long, value_parser = parse_budget, default_value = "256MiB")]
+    /// Size of the test file written into a directory (at least 8MiB).
+    #[arg(long, value_parser = parse_probe_size, default_value = "256MiB")]
     size: u64,
-    /// Seconds per measurement.
-    #[arg(long, default_value_t = 0.5)]
+    /// Seconds per measurement, in (0, 60].
+    #[arg(long, default_value_t = 0.5, value_parser = parse_seconds)]
     seconds: f64,
     /// Print JSON.
     #[arg(long)]
     json: bool,
 }
 
-pub fn run(args: ProbeArgs) -> Result<()> {
-    if !(args.seconds > 0.0 && args.seconds <= 60.0) {
-        anyhow::bail!("--seconds must be in (0, 60]");
+fn parse_probe_size(text: &str) -> std::result::Result<u64, String> {
+    let size = parse_budget(text)?;
+    if size < MIN_PROBE_BYTES {
+        return Err(format!(
+            "`{text}` is too small: the probe reads up to 4 MiB at a time and needs a file of at least {}",
+            format_bytes(MIN_PROBE_BYTES)
+        ));
     }
+    Ok(size)
+}
+
+fn parse_seconds(text: &str) -> std::result::Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if s > 0.0 && s <= 60.0 => Ok(s),
+        _ => Err(format!("`{text}` must be a number of seconds in (0, 60]")),
+    }
+}
+
+pub fn run(args: ProbeArgs) -> Result<()> {
     let file = ProbeFile::prepare(&args.path, args.size)?;
     let duration = std::time::Duration::from_secs_f64(args.seconds);
     let mut results = Vec::new();

@@ -9,16 +9,18 @@ use edgemoe::cache::replay::{replay, ReplayResult};
 use edgemoe::cache::trace::read_trace;
 use edgemoe::cache::Policy;
 
+use super::args::parse_count;
+
 #[derive(Args, Debug)]
 pub struct ReplayArgs {
     /// Trace written by `summarize --trace`.
     #[arg(long, value_name = "FILE")]
     trace: PathBuf,
     /// Buffer sizes in experts.
-    #[arg(long, value_delimiter = ',', default_value = "2,4,8,16,32,64")]
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8,16,32,64", value_parser = parse_count)]
     slots: Vec<usize>,
     /// Policies to replay (`all` = every online policy and belady).
-    #[arg(long, value_delimiter = ',', default_value = "all")]
+    #[arg(long, value_delimiter = ',', default_value = "all", value_parser = parse_replay_policy)]
     policy: Vec<String>,
     /// Ignore the trace's prefetch and cancel events (pure demand paging).
     #[arg(long)]
@@ -29,6 +31,14 @@ pub struct ReplayArgs {
     /// Draw hit ratio against buffer size per policy into an SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+}
+
+/// `all` or a policy name.
+fn parse_replay_policy(text: &str) -> std::result::Result<String, String> {
+    if text != "all" {
+        text.parse::<Policy>()?;
+    }
+    Ok(text.to_string())
 }
 
 pub fn run(args: ReplayArgs) -> Result<()> {
@@ -49,9 +59,6 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             .map(|p| p.parse::<Policy>().map_err(anyhow::Error::msg))
             .collect::<Result<_>>()?
     };
-    if args.slots.is_empty() || args.slots.contains(&0) {
-        anyhow::bail!("--slots needs positive buffer sizes, e.g. --slots 4,8,16");
-    }
     // More slots than the trace has distinct experts behave like exactly that many: such sizes
     // are replayed (and reported) as "all experts", once.
     let all_experts = edgemoe::cache::replay::distinct_experts(&events).max(1);

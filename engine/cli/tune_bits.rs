@@ -9,7 +9,7 @@ use edgemoe::bench::charts::importance_heatmap;
 use edgemoe::offline::tune::{tune_bits, TuneBitsOptions, TuneSource};
 use edgemoe::units::format_bytes;
 
-use super::args::parse_fraction;
+use super::args::{parse_count, parse_fraction};
 
 #[derive(Args, Debug)]
 pub struct TuneBitsArgs {
@@ -31,7 +31,7 @@ pub struct TuneBitsArgs {
     #[arg(long, value_parser = parse_fraction)]
     max_loss: f64,
     /// Use the first N validation examples.
-    #[arg(long, value_name = "N", default_value_t = 20)]
+    #[arg(long, value_name = "N", default_value = "20", value_parser = parse_count)]
     limit: usize,
     /// Most tokens generated per example (default: the model's generation config).
     #[arg(long, value_name = "N")]
@@ -70,6 +70,12 @@ pub fn run(args: TuneBitsArgs) -> Result<()> {
         show_progress: true,
     })?;
     let report = &run.report;
+    if run.reused_measurements > 0 {
+        println!(
+            "reused {} measurements cached for this model, data and options",
+            run.reused_measurements
+        );
+    }
     println!(
         "max loss {:.1}%: every expert at {} except {} at {} → proxy loss {:.2}%, experts {}",
         100.0 * report.max_loss,

@@ -255,6 +255,7 @@ mod tests {
                 issued: 9,
                 useful: 7,
                 cancelled: 1,
+                failed: 0,
                 bytes_read: 4096,
                 wasted_bytes: 512,
             },

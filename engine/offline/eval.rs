@@ -82,7 +82,7 @@ pub fn evaluate(
     let mut generations = Vec::with_capacity(examples.len());
     for example in examples {
         let (text, generation, source_tokens) = session.summarize(&example.document)?;
-        scores.push(rouge::score(&text, &example.reference, stem));
+        scores.push(rouge::score(&text, &example.reference, stem)?);
         predictions.push(text);
         generations.push((source_tokens, generation));
         progress.inc(1);

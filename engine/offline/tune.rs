@@ -16,7 +16,10 @@
 //! continuation with the reference (meaningful for instruction-tuned models prompted to
 //! summarize). Experts are tuned whole: a SwiGLU expert's `gate`, `up` and `down` share one
 //! width, as they share one blob. Every measurement is kept in
-//! a cache file next to the plan, so an interrupted or repeated run (another `P`) resumes.
+//! a cache file next to the plan, so an interrupted or repeated run (another `P`) resumes. The
+//! cache is keyed on everything a measurement depends on ([`CacheKey`]): the engine version, the
+//! model bundle's files, the validation examples, `--limit`, the tokenized inputs and the
+//! decoding length; measurements made under any other key are discarded, never reused.
 //!
 //! [`tune_bits`] is the whole run: the reference bundle (converting a checkpoint first if
 //! asked), the tuner, ROUGE-2 of the plan, and the plan, report and heat map written.
@@ -33,8 +36,9 @@ use crate::generation::decoding::DecodeOptions;
 use crate::generation::input::model_input;
 use crate::generation::session::{input_ids, run_model};
 use crate::ids::ExpertId;
+use crate::interrupt::RemoveOnInterrupt;
 use crate::io::write_json;
-use crate::model::Model;
+use crate::model::{Model, RunShape};
 use crate::offline::bit_plan::BitPlan;
 use crate::offline::calibrate::document_input_tokens;
 use crate::offline::convert::{convert, ConvertOptions};
@@ -42,7 +46,7 @@ use crate::offline::eval::{read_examples, Example};
 use crate::offline::rouge;
 use crate::quant::QuantBits;
 use crate::runtime::resident::ResidentExperts;
-use crate::store::ExpertEncoding;
+use crate::store::{ExpertEncoding, ExpertStore};
 use crate::tokenizer::Tokenizer;
 
 /// Bigram F1 between two id sequences (1 when identical).
@@ -74,11 +78,75 @@ pub fn agreement(a: &[i64], b: &[i64]) -> f64 {
     }
 }
 
+/// What a cached measurement depends on. A cache whose key differs in any field is discarded:
+/// the same `--out` used with another model (even one with the same tokenizer and data), other
+/// examples, another `--limit` or `--max-new-tokens`, or another engine version starts afresh.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheKey {
+    /// The engine's version: its quantizers and kernels decide what a width costs.
+    pub engine: String,
+    /// The model: `file → "crc32:length"` of the bundle's `config.json`, `resident.safetensors`
+    /// and `tokenizer.json`, and of the expert store's header and index (which record every
+    /// blob's CRC-32), so any change to any weight changes the key.
+    pub model: BTreeMap<String, String>,
+    /// The validation examples used: their count and the CRC-32 of their texts, and `--limit`.
+    pub examples: usize,
+    pub examples_checksum: String,
+    pub limit: usize,
+    /// The CRC-32 of the tokenized inputs (prefix and truncation applied).
+    pub inputs_checksum: String,
+    pub max_new_tokens: usize,
+    /// The stored (reference) width of the experts.
+    pub source_width: String,
+}
+
+/// `file → "crc32:length"` of a bundle's files (see [`CacheKey::model`]); the expert store's
+/// blobs are covered through the index's own checksums, so the store is not read whole.
+pub fn bundle_identity(bundle: &Bundle, store: &ExpertStore) -> Result<BTreeMap<String, String>> {
+    use crate::bundle::{CONFIG_FILE, EXPERTS_FILE, RESIDENT_FILE, TOKENIZER_FILE};
+    use crate::store::format::HEADER_BYTES;
+    let mut identity = BTreeMap::new();
+    for file in [CONFIG_FILE, RESIDENT_FILE, TOKENIZER_FILE] {
+        let path = bundle.path(file);
+        let (crc, len) = file_checksum(&path, u64::MAX)?;
+        identity.insert(file.to_string(), format!("{crc:08x}:{len}"));
+    }
+    // The header (32 bytes) and the index it announces; the store was validated when opened.
+    let path = bundle.path(EXPERTS_FILE);
+    let index_bytes = bincode::serialized_size(store.index())
+        .map_err(|e| Error::Internal(format!("cannot size the expert index: {e}")))?;
+    let (crc, len) = file_checksum(&path, HEADER_BYTES as u64 + index_bytes)?;
+    identity.insert(
+        format!("{EXPERTS_FILE} (header and index)"),
+        format!("{crc:08x}:{len}"),
+    );
+    Ok(identity)
+}
+
+/// CRC-32 and length of the first `limit` bytes of a file, read in 1 MiB pieces.
+fn file_checksum(path: &Path, limit: u64) -> Result<(u32, u64)> {
+    use std::io::Read;
+    let file = crate::io::open_file(path)?;
+    let mut reader = file.take(limit);
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = reader.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        total += n as u64;
+    }
+    Ok((hasher.finalize(), total))
+}
+
 /// Measurements by configuration key, saved after each new one.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct MeasurementCache {
-    /// Identifies the evaluation set; measurements of another set are discarded.
-    evaluation: String,
+    /// What the measurements depend on; a cache with another key is discarded.
+    key: CacheKey,
     losses: BTreeMap<String, f64>,
 }
 
@@ -95,6 +163,8 @@ pub struct Tuner<'a> {
     full_precision: Vec<Vec<i64>>,
     cache: MeasurementCache,
     cache_path: PathBuf,
+    /// Measurements found in the cache (made earlier under the same key).
+    reused: usize,
     pub progress: ProgressBar,
 }
 
@@ -128,12 +198,17 @@ pub fn expert_key(id: ExpertId) -> String {
 
 impl<'a> Tuner<'a> {
     /// Prepares the evaluation set (`examples` tokenized) and the full-precision outputs.
+    /// `key` is the cache key with the model's identity, the examples' and the options' fields
+    /// filled; the inputs' checksum and the decoding length are filled here. Cached
+    /// measurements in `cache_path` are reused only under an equal key.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         model: TuneModel<'a>,
         experts: ResidentExperts,
         tokenizer: &Tokenizer,
         examples: &[Example],
         settings: EvalSettings,
+        key: CacheKey,
         cache_path: &Path,
         show_progress: bool,
     ) -> Result<Self> {
@@ -144,19 +219,18 @@ impl<'a> Tuner<'a> {
                 input_ids(model.model, tokenizer, &text, settings.max_source_tokens)
             })
             .collect::<Result<Vec<_>>>()?;
-        let evaluation = format!(
-            "{} documents, input checksum {:08x}, {} new tokens",
-            inputs.len(),
-            crc32fast::hash(format!("{inputs:?}").as_bytes()),
-            model.decode.max_new_tokens
-        );
-        let cache = match std::fs::read_to_string(cache_path) {
-            Ok(text) => serde_json::from_str::<MeasurementCache>(&text)
-                .ok()
-                .filter(|c| c.evaluation == evaluation)
-                .unwrap_or_default(),
-            Err(_) => MeasurementCache::default(),
+        let key = CacheKey {
+            inputs_checksum: format!("{:08x}", crc32fast::hash(format!("{inputs:?}").as_bytes())),
+            max_new_tokens: model.decode.max_new_tokens,
+            ..key
         };
+        // A cache that cannot be read or parsed, or was made under another key, is discarded.
+        let losses = std::fs::read_to_string(cache_path)
+            .ok()
+            .and_then(|text| serde_json::from_str::<MeasurementCache>(&text).ok())
+            .filter(|c| c.key == key)
+            .map(|c| c.losses)
+            .unwrap_or_default();
         let progress = if show_progress {
             ProgressBar::new_spinner()
         } else {
@@ -170,10 +244,8 @@ impl<'a> Tuner<'a> {
             experts,
             inputs,
             full_precision: Vec::new(),
-            cache: MeasurementCache {
-                evaluation,
-                ..cache
-            },
+            reused: losses.len(),
+            cache: MeasurementCache { key, losses },
             cache_path: cache_path.to_path_buf(),
             progress,
         };
@@ -315,6 +387,11 @@ impl<'a> Tuner<'a> {
         Ok((plan, report))
     }
 
+    /// How many measurements came from the cache file (made under the same key).
+    pub fn reused_measurements(&self) -> usize {
+        self.reused
+    }
+
     /// Importance by expert (for the heat map).
     pub fn experts(&self) -> &ResidentExperts {
         &self.experts
@@ -339,7 +416,7 @@ impl<'a> Tuner<'a> {
         let mut total = 0.0;
         for (ids, reference) in outputs.iter().zip(references) {
             let text = tokenizer.decode(ids)?;
-            total += rouge::score(&text, reference, false).rouge2.fmeasure;
+            total += rouge::score(&text, reference, false)?.rouge2.fmeasure;
         }
         self.experts.reset_widths();
         Ok(total / references.len().max(1) as f64)
@@ -389,6 +466,8 @@ pub struct TuneBitsRun {
     pub rouge2_full_precision: f64,
     pub rouge2_plan: f64,
     pub examples: usize,
+    /// Measurements reused from `PLAN.measurements.json` (same model, data and options).
+    pub reused_measurements: usize,
     pub plan_path: PathBuf,
     pub report_path: PathBuf,
 }
@@ -402,14 +481,15 @@ pub fn beside_plan(plan: &Path, suffix: &str) -> PathBuf {
 /// Tunes every expert's width for `max_loss` and writes the plan, its report, the importance
 /// heat map and the measurement cache.
 pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
-    // The converted bundle lives until the run ends.
+    // The converted bundle lives until the run ends, and is removed if it is interrupted.
     let _temp;
     let bundle_dir = match &options.source {
         TuneSource::Bundle(dir) => dir.clone(),
         TuneSource::Checkpoint(hf) => {
             let temp = tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?;
             let out = temp.path().join("bundle");
-            _temp = temp;
+            let guard = RemoveOnInterrupt::new(temp.path());
+            _temp = (temp, guard);
             convert(&ConvertOptions {
                 resident: Default::default(),
                 hf_dir: hf.clone(),
@@ -448,11 +528,48 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
     ];
     let experts = ResidentExperts::load(&store, &widths)?;
     let tokenizer = bundle.tokenizer()?;
+    let key = CacheKey {
+        engine: env!("CARGO_PKG_VERSION").to_string(),
+        model: bundle_identity(&bundle, &store)?,
+        examples: examples.len(),
+        examples_checksum: format!(
+            "{:08x}",
+            crc32fast::hash(
+                format!(
+                    "{:?}",
+                    examples
+                        .iter()
+                        .map(|e| (&e.document, &e.reference))
+                        .collect::<Vec<_>>()
+                )
+                .as_bytes()
+            )
+        ),
+        limit: options.limit,
+        source_width: source.name().to_string(),
+        ..CacheKey::default()
+    };
     let generation = &bundle.config.generation;
     let model = bundle.load_model(tch::Device::Cpu)?;
     let mut decode = DecodeOptions::from_defaults(generation);
     decode.num_beams = 1;
     decode.max_new_tokens = options.max_new_tokens.unwrap_or(generation.max_new_tokens);
+    // Tuning runs without a budget, so a decoding length whose working memory this machine
+    // cannot hold is refused here (a huge --max-new-tokens ran on, growing, for hours).
+    let working = model.working_bytes(RunShape {
+        max_source_tokens: document_input_tokens(&bundle),
+        max_new_tokens: decode.max_new_tokens,
+        beams: 1,
+    });
+    let memory = physical_memory_bytes();
+    if working > memory {
+        return Err(Error::Input(format!(
+            "--max-new-tokens {}: decoding that far needs {} of working memory, more than this machine's {}",
+            decode.max_new_tokens,
+            crate::units::format_bytes(working),
+            crate::units::format_bytes(memory)
+        )));
+    }
     let mut tuner = Tuner::new(
         TuneModel {
             model: &model,
@@ -465,6 +582,7 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
             prefix: generation.input_prefix.clone(),
             max_source_tokens: document_input_tokens(&bundle),
         },
+        key,
         &beside_plan(out, "measurements.json"),
         options.show_progress,
     )?;
@@ -507,9 +625,25 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
         rouge2_full_precision,
         rouge2_plan,
         examples: examples.len(),
+        reused_measurements: tuner.reused_measurements(),
         plan_path: out.clone(),
         report_path,
     })
+}
+
+/// The machine's physical memory (`u64::MAX` when it cannot be told).
+fn physical_memory_bytes() -> u64 {
+    // SAFETY: sysconf only reads system constants.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || page <= 0 {
+        return u64::MAX;
+    }
+    (pages as u64).saturating_mul(page as u64)
 }
 
 /// A short stable key for a set of experts.

@@ -235,15 +235,37 @@ impl ExpertBuffer {
                 self.stats.prefetch.bytes_read += bytes;
                 self.stats.bytes_read += bytes;
             }
-            prefetch::Outcome::Cancelled | prefetch::Outcome::Failed(_) => {
-                // A failed read is retried (and reported) by the demand that needs the expert.
+            prefetch::Outcome::Cancelled => {
                 self.stats.prefetch.cancelled += 1;
                 self.table.remove(done.id);
                 let pinned = self.pinned();
                 self.log(AccessKind::Cancel, done.id, &pinned)?;
             }
+            prefetch::Outcome::Failed(error) => {
+                // Reported as a demand read's failure is, whether or not the expert is ever
+                // demanded: a prefetch that failed its checksum and were dropped quietly would
+                // be read again at every prediction, and the run would go on over a damaged
+                // store. The bytes it read are counted like any read's.
+                self.stats.prefetch.failed += 1;
+                let read = self.failed_read_bytes(&error);
+                self.stats.prefetch.bytes_read += read;
+                self.stats.bytes_read += read;
+                self.table.remove(done.id);
+                let pinned = self.pinned();
+                self.log(AccessKind::Cancel, done.id, &pinned)?;
+                return Err(error);
+            }
         }
         Ok(())
+    }
+
+    /// Bytes a failed read moved: the whole blob when it failed its checksum (it was read to
+    /// be checked), none when the read itself failed.
+    fn failed_read_bytes(&self, error: &Error) -> u64 {
+        match error {
+            Error::Checksum { expert, .. } => self.store.entry(*expert).map_or(0, |e| e.length),
+            _ => 0,
+        }
     }
 
     fn drain_completions(&mut self) -> Result<()> {
@@ -300,9 +322,10 @@ impl ExpertBuffer {
                         self.stats.prefetch.useful += 1;
                     }
                     if self.in_flight.contains_key(&id) {
+                        // A failed read comes back as its error.
                         self.wait_for(Some(id))?;
                         if self.table.slot_of(id).is_none() {
-                            // Its read failed: read it here (and report the error).
+                            // Cancelled before its read started: read it here.
                             continue;
                         }
                     }
@@ -319,6 +342,7 @@ impl ExpertBuffer {
                     let read = match self.store.read_expert(id, memory.as_mut_slice()) {
                         Ok(read) => read,
                         Err(e) => {
+                            self.stats.bytes_read += self.failed_read_bytes(&e);
                             self.table.remove(id);
                             return Err(e);
                         }

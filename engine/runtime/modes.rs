@@ -80,6 +80,11 @@ impl Mode {
         }
     }
 
+    /// Modes that keep experts in an expert buffer (the only ones a trace can record).
+    pub fn has_buffer(self) -> bool {
+        matches!(self, Mode::Edgemoe | Mode::QP | Mode::QPC)
+    }
+
     /// Modes that run on the quantized store rather than the bundle's own.
     pub fn uses_quantized_store(self) -> bool {
         matches!(self, Mode::IoQexp | Mode::Q | Mode::QP | Mode::QPC)

@@ -24,6 +24,10 @@ pub struct PrefetchStats {
     pub useful: u64,
     /// Requests dropped before their read started.
     pub cancelled: u64,
+    /// Reads that failed (a checksum mismatch, an I/O error): each ends the run with its error,
+    /// as a failed demand read does.
+    #[serde(default)]
+    pub failed: u64,
     /// Bytes the prefetch thread read.
     pub bytes_read: u64,
     /// Bytes of prefetched experts evicted or dropped without being used.

@@ -38,6 +38,19 @@ pub fn drop_tensor(weights: &Path, gone: &str) {
     std::fs::write(weights, safetensors::serialize(kept, None).unwrap()).unwrap();
 }
 
+/// Flips one bit of expert `id`'s blob in `bundle`'s expert store (its checksum then fails).
+pub fn flip_expert_byte(bundle: &Path, id: edgemoe::ids::ExpertId) {
+    let path = bundle.join(edgemoe::bundle::EXPERTS_FILE);
+    let spec = edgemoe::bundle::Bundle::open(bundle).unwrap().config.model;
+    let store = edgemoe::store::ExpertStore::open(&path, &spec.expert_layout()).unwrap();
+    let entry = store.entry(id).unwrap();
+    let offset = entry.offset + entry.length / 2;
+    drop(store);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[offset as usize] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+}
+
 /// Asserts `message` mentions every `needle`.
 pub fn assert_mentions(message: &str, needles: &[&str]) {
     for needle in needles {

@@ -14,6 +14,19 @@ fn spawn(args: &[&str], stdin: Stdio) -> std::process::Child {
         .unwrap()
 }
 
+/// Starts `edgemoe args…` with no standard input and its outputs piped, for a test that
+/// signals or watches it while it runs.
+pub fn start(args: &[&str]) -> std::process::Child {
+    spawn(args, Stdio::null())
+}
+
+/// Sends `signal` to a running child.
+pub fn send_signal(child: &std::process::Child, signal: i32) {
+    // SAFETY: plain kill(2) on the id of a child this test started and has not reaped.
+    let status = unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+    assert_eq!(status, 0, "kill({}, {signal})", child.id());
+}
+
 /// Runs `edgemoe args…` with `stdin` (nothing if `None`) on its standard input.
 pub fn run(args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = spawn(args, Stdio::piped());
@@ -42,6 +55,21 @@ pub fn assert_fails(out: &Output, needles: &[&str]) {
     assert_eq!(out.status.code(), Some(1), "stderr: {err}");
     assert!(!err.contains("panicked"), "panic: {err}");
     // One error line (warnings, e.g. O_DIRECT refused by the filesystem, may come before it).
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error: ")).count(),
+        1,
+        "stderr: {err}"
+    );
+    for needle in needles {
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+    }
+}
+
+/// Asserts a usage error: exit code 2, an `error:` line mentioning every `needle`, no panic.
+pub fn assert_usage(out: &Output, needles: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
     assert_eq!(
         err.lines().filter(|l| l.starts_with("error: ")).count(),
         1,
