@@ -876,7 +876,7 @@ fn probe_storage_refuses_tiny_sizes_naming_the_flag() {
 fn interrupted_probe_storage_removes_its_test_file() {
     use std::os::unix::process::ExitStatusExt;
     for (signal, size, seconds) in [
-        (libc::SIGINT, "64GiB", "0.5"),
+        (libc::SIGINT, "2GiB", "0.5"),
         (libc::SIGTERM, "8MiB", "30"),
     ] {
         let dir = tempfile::tempdir().unwrap();
