@@ -875,10 +875,7 @@ fn probe_storage_refuses_tiny_sizes_naming_the_flag() {
 #[test]
 fn interrupted_probe_storage_removes_its_test_file() {
     use std::os::unix::process::ExitStatusExt;
-    for (signal, size, seconds) in [
-        (libc::SIGINT, "2GiB", "0.5"),
-        (libc::SIGTERM, "8MiB", "30"),
-    ] {
+    for (signal, size, seconds) in [(libc::SIGINT, "2GiB", "0.5"), (libc::SIGTERM, "8MiB", "30")] {
         let dir = tempfile::tempdir().unwrap();
         let mut child = common::cli::start(&[
             "probe-storage",
