@@ -37,9 +37,11 @@ pub struct StackPaths {
     pub paths: HashMap<Vec<u16>, u64>,
 }
 
-/// Counts over a layer's experts → probability that each is among a token's `k` experts.
+/// Counts over a layer's experts → probability that each is among a token's `k` experts. Summed
+/// in `u128`: a loaded dictionary's counts may come near `u64::MAX` (the fuzzer's finding: the
+/// `u64` sum overflowed, wrapping to nonsense probabilities in release builds).
 fn normalise(counts: &[u64], k: usize) -> Vec<f64> {
-    let tokens = counts.iter().sum::<u64>() as f64 / k.max(1) as f64;
+    let tokens = counts.iter().map(|&c| u128::from(c)).sum::<u128>() as f64 / k.max(1) as f64;
     counts
         .iter()
         .map(|&c| {
@@ -140,8 +142,11 @@ impl StackPaths {
         }
     }
 
+    /// Tokens counted (saturating: counts read from a file may be anything).
     pub fn tokens(&self) -> u64 {
-        self.paths.values().sum()
+        self.paths
+            .values()
+            .fold(0u64, |total, &c| total.saturating_add(c))
     }
 
     /// For each expert of layer `layer`, the probability that it is among the token's experts,
@@ -185,11 +190,12 @@ impl StackPaths {
         let mut counts: Vec<u64> = self.paths.values().copied().collect();
         counts.sort_unstable_by(|a, b| b.cmp(a));
         let keep = ((counts.len() as f64 * fraction).ceil() as usize).min(counts.len());
-        let total: u64 = counts.iter().sum();
+        let sum = |counts: &[u64]| counts.iter().map(|&c| u128::from(c)).sum::<u128>();
+        let total = sum(&counts);
         if total == 0 {
             return 0.0;
         }
-        counts[..keep].iter().sum::<u64>() as f64 / total as f64
+        sum(&counts[..keep]) as f64 / total as f64
     }
 }
 
