@@ -18,8 +18,11 @@ static ALLOCATOR: limit::LimitedAlloc = limit::LimitedAlloc;
 
 use std::path::{Path, PathBuf};
 
+/// A fuzz target: one parser fed arbitrary bytes.
+type Target = fn(&[u8]);
+
 /// The targets, by the name of their corpus folder.
-const TARGETS: [(&str, fn(&[u8])); 7] = [
+const TARGETS: [(&str, Target); 7] = [
     ("store", harness::store),
     ("paths", harness::paths),
     ("profile", harness::profile),
