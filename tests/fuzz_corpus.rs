@@ -293,3 +293,50 @@ fn dictionary_counts_near_the_u64_limit_do_not_wrap() {
     let coverage = paths.top_path_coverage(0.5);
     assert!(coverage > 0.99 && coverage <= 1.0, "{coverage}");
 }
+
+/// Fuzzer finding (config): a bundle `config.json` claiming 222,222,222 encoder layers was
+/// accepted, and opening the bundle built every expert id it implies (gigabytes). A bundle
+/// config whose sizes the engine cannot address or allocate is refused by name when read.
+#[test]
+fn bundle_configs_with_impossible_sizes_are_refused_naming_the_field() {
+    use edgemoe::config::BundleConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    let regression = fuzz_dir().join("regressions/config/encoder-layers-222222222.json");
+    std::fs::copy(&regression, &path).unwrap();
+    let err = BundleConfig::load(&path).unwrap_err();
+    assert!(matches!(err, edgemoe::Error::Format { .. }), "{err:?}");
+    assert!(err.to_string().contains("num_encoder_layers"), "{err}");
+
+    let valid = fuzz_dir().join("specs/tiny-mixtral.json");
+    let text = std::fs::read_to_string(valid).unwrap();
+    assert!(BundleConfig::load(&{
+        std::fs::write(&path, &text).unwrap();
+        path.clone()
+    })
+    .is_ok());
+    for (from, to, field) in [
+        (
+            "\"num_experts\": 8",
+            "\"num_experts\": 70000",
+            "experts per layer",
+        ),
+        ("\"top_k\": 2", "\"top_k\": 9", "top_k"),
+        ("\"num_kv_heads\": 2", "\"num_kv_heads\": 0", "num_kv_heads"),
+        (
+            "\"hidden_size\": 32",
+            "\"hidden_size\": 1099511627776",
+            "hidden_size",
+        ),
+        (
+            "\"num_layers\": 2",
+            "\"num_layers\": 3",
+            "attention windows",
+        ),
+    ] {
+        assert!(text.contains(from), "{from}");
+        std::fs::write(&path, text.replace(from, to)).unwrap();
+        let err = BundleConfig::load(&path).unwrap_err();
+        assert!(err.to_string().contains(field), "{from} → {to}: {err}");
+    }
+}

@@ -96,6 +96,9 @@ impl BundleConfig {
                 message: format!("architecture `{}`", header.architecture),
             });
         };
+        model
+            .check_sizes()
+            .map_err(|message| Error::format(path, format!("invalid bundle config: {message}")))?;
         Ok(BundleConfig {
             format_version: header.format_version,
             architecture: header.architecture,

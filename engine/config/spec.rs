@@ -192,6 +192,120 @@ impl ModelSpec {
             ModelSpec::DecoderOnly(d) => d.tie_word_embeddings,
         }
     }
+
+    /// Fails, saying which, unless every size is one the engine can address and allocate, and
+    /// the sizes agree with each other: layers and experts fit their `u16` ids, at most
+    /// [`MAX_EXPERTS`] experts in all, every width at most [`MAX_WIDTH`], a decoder's heads,
+    /// top-k, MoE layers and attention windows consistent. A bundle's `config.json` is checked
+    /// with this when it is read: it is written by `convert` from a validated checkpoint config,
+    /// but a damaged or crafted one must not make the engine allocate what it claims (the
+    /// fuzzer's finding: 222,222,222 encoder layers asked for gigabytes of expert ids).
+    pub fn check_sizes(&self) -> std::result::Result<(), String> {
+        let ids = usize::from(u16::MAX) + 1;
+        let mut widths: Vec<(&str, usize)> = Vec::new();
+        let mut layers: Vec<(&str, usize)> = Vec::new();
+        match self {
+            ModelSpec::Switch(s) => {
+                widths.extend([
+                    ("vocab_size", s.vocab_size),
+                    ("d_model", s.d_model),
+                    ("d_kv", s.d_kv),
+                    ("d_ff", s.d_ff),
+                    ("num_heads", s.num_heads),
+                    ("num_heads × d_kv", s.num_heads.saturating_mul(s.d_kv)),
+                    (
+                        "relative_attention_num_buckets",
+                        s.relative_attention_num_buckets,
+                    ),
+                    (
+                        "relative_attention_max_distance",
+                        s.relative_attention_max_distance,
+                    ),
+                ]);
+                layers.extend([
+                    ("num_encoder_layers", s.num_encoder_layers),
+                    ("num_decoder_layers", s.num_decoder_layers),
+                ]);
+                if s.relative_attention_num_buckets < 4 {
+                    return Err("`relative_attention_num_buckets` must be at least 4".into());
+                }
+            }
+            ModelSpec::DecoderOnly(d) => {
+                widths.extend([
+                    ("vocab_size", d.vocab_size),
+                    ("hidden_size", d.hidden_size),
+                    ("num_heads", d.num_heads),
+                    ("num_kv_heads", d.num_kv_heads),
+                    ("head_dim", d.head_dim),
+                    (
+                        "num_heads × head_dim",
+                        d.num_heads.saturating_mul(d.head_dim),
+                    ),
+                    ("intermediate_size", d.intermediate_size),
+                    ("expert_intermediate_size", d.expert_intermediate_size),
+                    (
+                        "shared_expert_intermediate_size",
+                        d.shared_expert_intermediate_size.unwrap_or(1),
+                    ),
+                ]);
+                layers.push(("num_layers", d.num_layers));
+                if d.num_kv_heads == 0 || !d.num_heads.is_multiple_of(d.num_kv_heads) {
+                    return Err(format!(
+                        "`num_heads` {} is not a multiple of `num_kv_heads` {}",
+                        d.num_heads, d.num_kv_heads
+                    ));
+                }
+                if !d.head_dim.is_multiple_of(2) {
+                    return Err(format!("`head_dim` {} must be even", d.head_dim));
+                }
+                if !(1..=d.num_experts).contains(&d.top_k) {
+                    return Err(format!(
+                        "`top_k` {} must be between 1 and the {} experts",
+                        d.top_k, d.num_experts
+                    ));
+                }
+                if d.moe_layers.iter().any(|&l| l >= d.num_layers)
+                    || d.moe_layers.windows(2).any(|w| w[0] >= w[1])
+                {
+                    return Err(format!(
+                        "`moe_layers` must be increasing layer numbers below {}",
+                        d.num_layers
+                    ));
+                }
+                if d.attention_windows.len() != d.num_layers {
+                    return Err(format!(
+                        "{} attention windows for {} layers",
+                        d.attention_windows.len(),
+                        d.num_layers
+                    ));
+                }
+            }
+        }
+        for (name, value) in widths {
+            if !(1..=MAX_WIDTH).contains(&value) {
+                return Err(format!("`{name}` = {value} (expected 1 to {MAX_WIDTH})"));
+            }
+        }
+        for (name, value) in layers {
+            if value > ids {
+                return Err(format!("`{name}` = {value} (at most {ids})"));
+            }
+        }
+        let experts = self.num_experts();
+        if !(1..ids).contains(&experts) {
+            return Err(format!(
+                "{experts} experts per layer (expected 1 to {})",
+                ids - 1
+            ));
+        }
+        let blocks = self.moe_blocks(Stack::Encoder).len() + self.moe_blocks(Stack::Decoder).len();
+        if blocks.saturating_mul(experts) > MAX_EXPERTS {
+            return Err(format!(
+                "{blocks} MoE blocks × {experts} experts (at most {MAX_EXPERTS} experts in all)"
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Fails naming `field` of the config at `path` unless `value` is a positive finite number (an
@@ -206,3 +320,12 @@ pub(crate) fn check_positive_finite(path: &Path, field: &str, value: f64) -> Res
         format!("`{field}` must be a positive finite number, got {value}"),
     ))
 }
+
+/// Widest dimension (vocabulary, model width, FFN width, heads) a model may have: 2^20, four
+/// times the largest vocabulary of a released model, so `rows × cols` of any matrix stays far
+/// inside `u64`.
+pub const MAX_WIDTH: usize = 1 << 20;
+
+/// Most experts a model may have in all (MoE blocks × experts per block): 2^20, thirty times
+/// the largest released MoE.
+pub const MAX_EXPERTS: usize = 1 << 20;
