@@ -24,6 +24,7 @@ use edgemoe::ids::Stack;
 use edgemoe::model::DecoderOnlyModel;
 use edgemoe::offline::calibrate::{build_dictionary, collect_paths};
 use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
+use edgemoe::runtime::predict::PredictorKind;
 use edgemoe::runtime::stats::ExpertStats;
 
 /// The demo model converted and calibrated on 20 SAMSum train dialogues, shared by the tests.
@@ -211,6 +212,7 @@ fn decoder_outputs_identical_under_every_policy_prefetch_and_size() {
                             policy,
                             prefetch,
                             prefetch_cap_bytes: u64::MAX / 2,
+                            predictor: PredictorKind::Dictionary,
                         },
                         prefetch,
                     );
@@ -275,6 +277,7 @@ fn decoder_top_k_replay_of_a_live_trace_gives_the_live_hit_counts() {
                     policy,
                     prefetch,
                     prefetch_cap_bytes: 8 * 4096,
+                    predictor: PredictorKind::Dictionary,
                 },
                 true,
             );
@@ -349,6 +352,7 @@ fn decoder_tiny_buffer_with_prefetch_keeps_its_slots_and_shuts_down() {
                     prefetch: true,
                     // No cap: as many speculative reads as the dictionary suggests.
                     prefetch_cap_bytes: u64::MAX / 2,
+                    predictor: PredictorKind::Dictionary,
                 },
                 true,
             );
@@ -395,6 +399,7 @@ fn a_prefetch_that_fails_its_checksum_is_reported_and_counted() {
             policy: Policy::Lru,
             prefetch: true,
             prefetch_cap_bytes: u64::MAX,
+            predictor: PredictorKind::Dictionary,
         },
         None,
     )

@@ -25,6 +25,7 @@ use edgemoe::generation::seq2seq::generate;
 use edgemoe::ids::Stack;
 use edgemoe::model::LayerRoute;
 use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
+use edgemoe::runtime::predict::PredictorKind;
 
 /// Converts fixture `name` and checks it against its golden file, whatever its architecture.
 fn check_fixture(name: &str) {
@@ -178,6 +179,7 @@ fn check_decoder(name: &str, bundle: &Bundle) {
                 policy: Policy::Edgemoe,
                 prefetch,
                 prefetch_cap_bytes: u64::MAX / 2,
+                predictor: PredictorKind::Both,
             },
             prefetch.then(|| dictionary.clone()),
         )

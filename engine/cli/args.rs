@@ -15,6 +15,7 @@ use edgemoe::generation::report::RunStats;
 use edgemoe::generation::session::CacheOptions;
 use edgemoe::io::check_output_path;
 use edgemoe::runtime::modes::Mode;
+use edgemoe::runtime::predict::PredictorKind;
 use edgemoe::store::{ExpertEncoding, StorageMode};
 use edgemoe::units::parse_bytes;
 
@@ -118,6 +119,11 @@ pub struct CacheArgs {
     /// Do not start the prefetch thread (no dictionary prefetch, no read/compute overlap).
     #[arg(long)]
     no_prefetch: bool,
+    /// What predicts the experts to prefetch: dictionary (the activation-path dictionary,
+    /// `paths.bin`), gate (the next MoE layer's router applied ahead to the current hidden
+    /// state) or both. Every predictor is scored in `--stats-json` whichever drives prefetch.
+    #[arg(long, value_name = "PREDICTOR", default_value = "dictionary")]
+    predictor: PredictorKind,
     /// Most speculative bytes prefetched per token (default: the profile's, else two experts
     /// per decoder MoE layer).
     #[arg(long, value_name = "SIZE", value_parser = parse_budget, conflicts_with = "no_prefetch")]
@@ -233,6 +239,7 @@ impl CacheArgs {
                 prefetch_cap_bytes: self
                     .prefetch_cap
                     .or(profile.as_ref().map(|p| p.prefetch_cap_bytes)),
+                predictor: self.predictor,
                 buffer_experts: self.buffer_experts.map(|n| n as usize),
                 trace: self.trace.clone(),
                 storage: self.storage,

@@ -9,7 +9,9 @@ use crate::error::Result;
 use crate::generation::decoding::Generation;
 use crate::generation::session::CacheOptions;
 use crate::runtime::budget::BudgetPlan;
-use crate::runtime::stats::{DictionaryStats, ExpertStats, LayerStats, PrefetchStats};
+use crate::runtime::stats::{
+    DictionaryStats, ExpertStats, LayerStats, PredictorKind, PredictorLayerStats, PrefetchStats,
+};
 use crate::units::format_bytes;
 
 /// Per-document figures.
@@ -59,6 +61,12 @@ pub struct RunStats {
     pub prefetch: PrefetchStats,
     /// Top-1 accuracy of the path dictionary on this run's tokens.
     pub dictionary: DictionaryStats,
+    /// The predictor whose predictions started speculative reads (`--predictor`).
+    pub predictor: PredictorKind,
+    /// Precision and recall of each predictor per MoE layer: each forward call's predicted
+    /// experts for the layer against the experts its router chose (modes with an expert buffer;
+    /// `dictionary` needs a calibrated bundle, `gate` predicts within a forward call only).
+    pub predictors: Vec<PredictorLayerStats>,
     pub peak_rss_bytes: u64,
     pub budget_bytes: u64,
     pub resident_bytes: u64,
@@ -166,6 +174,8 @@ impl RunStats {
             prefetch_enabled: cache.prefetch,
             prefetch: experts.prefetch.clone(),
             dictionary: experts.dictionary.clone(),
+            predictor: cache.predictor,
+            predictors: experts.predictions.report(),
             peak_rss_bytes: peak_rss_bytes(),
             budget_bytes: plan.budget_bytes,
             resident_bytes: plan.resident_bytes,
@@ -264,6 +274,18 @@ mod tests {
                 top1_correct: 21,
                 top1_accuracy: 0.7,
             },
+            predictor: PredictorKind::Gate,
+            predictors: vec![PredictorLayerStats {
+                predictor: PredictorKind::Both,
+                stack: "decoder".into(),
+                block: 3,
+                calls: 16,
+                predicted: 20,
+                chosen: 16,
+                correct: 12,
+                precision: 0.6,
+                recall: 0.75,
+            }],
             peak_rss_bytes: 300 << 20,
             budget_bytes: 1 << 30,
             resident_bytes: 200 << 20,
@@ -318,6 +340,8 @@ mod tests {
             "prefetch_enabled",
             "prefetch",
             "dictionary",
+            "predictor",
+            "predictors",
             "peak_rss_bytes",
             "budget_bytes",
             "resident_bytes",

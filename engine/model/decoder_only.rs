@@ -22,7 +22,7 @@
 use tch::{Kind, Tensor};
 
 use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, Linear, RmsNorm, Rotary, Weight};
-use super::moe::{moe_ffn, LayerRoute, Router, Routing};
+use super::moe::{moe_ffn, route_ahead, LayerRoute, Router, Routing};
 use crate::config::{DecoderFamily, DecoderSpec};
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
@@ -359,6 +359,9 @@ impl DecoderOnlyModel {
             let attended =
                 self.attend(layer, &normed, &cos, &sin, past, &mut cache.layers[index])?;
             h = h.f_add(&attended)?;
+            if matches!(layer.ff, FeedForward::Sparse { .. }) && provider.wants_lookahead() {
+                self.look_ahead(index, &h, routing, provider)?;
+            }
             // hidden_states = residual + mlp(post_attention_layernorm(hidden_states))
             let normed = layer.post_attention_norm.forward(&h)?;
             let ff = match &layer.ff {
@@ -390,6 +393,31 @@ impl DecoderOnlyModel {
         let last = self.norm.forward(&h.f_select(1, n - 1)?)?; // [1, d]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         Ok(linear(&last, head)?.f_reshape([vocab])?)
+    }
+
+    /// The gate lookahead from MoE layer `index`: the next MoE layer routes `h` (the hidden
+    /// state entering layer `index`'s FFN, normed with the next layer's post-attention norm).
+    fn look_ahead(
+        &self,
+        index: usize,
+        h: &Tensor,
+        routing: Routing,
+        provider: &mut dyn ExpertProvider,
+    ) -> Result<()> {
+        let next =
+            self.layers
+                .iter()
+                .enumerate()
+                .skip(index + 1)
+                .find_map(|(j, layer)| match &layer.ff {
+                    FeedForward::Sparse { router, .. } => Some((j, layer, router)),
+                    FeedForward::Dense { .. } => None,
+                });
+        let Some((j, layer, router)) = next else {
+            return Ok(());
+        };
+        let experts = route_ahead(&layer.post_attention_norm.forward(h)?, router, routing)?;
+        provider.predicted(Stack::Decoder, j, routing.k(), &experts)
     }
 
     /// Self-attention of `x` `[1, n, d]` at positions `past ..`, appending to `kv`.

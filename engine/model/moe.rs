@@ -81,25 +81,13 @@ pub fn expert_forward(x: &Tensor, w: &ExpertWeights) -> Result<Tensor> {
     }
 }
 
-/// The MoE sub-layer of block `layer` of `stack` on `x` `[b, n, d_model]` (already normed).
-pub fn moe_ffn(
-    x: &Tensor,
-    router: &Router,
-    routing: Routing,
-    stack: Stack,
-    layer: usize,
-    provider: &mut dyn ExpertProvider,
-    routes: &mut Vec<LayerRoute>,
-) -> Result<Tensor> {
-    let size = x.size();
-    let (b, n, d) = (size[0], size[1], size[2]);
-    let tokens = x.f_reshape([b * n, d])?; // [t, d]
-    let t_count = (b * n) as usize;
+/// Routes tokens `[t, d]`: the chosen experts `[t × k]` (highest weight first per token) and
+/// their weights `[t × k]`, before any capacity limit.
+fn route(tokens: &Tensor, router: &Router, routing: Routing) -> Result<(Tensor, Tensor)> {
     // router_logits = linear(hidden_states, weight); softmax in float32
-    let logits = linear_bias(&tokens, &router.weight, router.bias.as_ref())?; // [t, E]
+    let logits = linear_bias(tokens, &router.weight, router.bias.as_ref())?; // [t, E]
     let probs = logits.f_softmax(-1, Kind::Float)?;
-    let k = routing.k();
-    let (chosen, weights) = match routing {
+    Ok(match routing {
         Routing::Top1 { .. } => (
             probs.f_argmax(-1, false)?,               // [t]
             probs.f_amax([-1i64].as_slice(), false)?, // [t], probability of the choice
@@ -114,7 +102,37 @@ pub fn moe_ffn(
             }
             (idx.f_reshape([-1])?, top.f_reshape([-1])?) // [t × k]
         }
-    };
+    })
+}
+
+/// The gate lookahead: a later MoE block's `router` applied ahead of time to hidden states
+/// `x` `[b, n, d_model]` (normed with that block's FF norm) — the experts that block would
+/// choose if the hidden states did not change on the way, `routing.k()` per token, tokens
+/// row-major. A prediction only: it decides which reads start early, never the output.
+pub fn route_ahead(x: &Tensor, router: &Router, routing: Routing) -> Result<Vec<u16>> {
+    let size = x.size();
+    let tokens = x.f_reshape([size[0] * size[1], size[2]])?;
+    let (chosen, _) = route(&tokens, router, routing)?;
+    let chosen = Vec::<i64>::try_from(&chosen.f_to_device(tch::Device::Cpu)?)?;
+    Ok(chosen.into_iter().map(|e| e as u16).collect())
+}
+
+/// The MoE sub-layer of block `layer` of `stack` on `x` `[b, n, d_model]` (already normed).
+pub fn moe_ffn(
+    x: &Tensor,
+    router: &Router,
+    routing: Routing,
+    stack: Stack,
+    layer: usize,
+    provider: &mut dyn ExpertProvider,
+    routes: &mut Vec<LayerRoute>,
+) -> Result<Tensor> {
+    let size = x.size();
+    let (b, n, d) = (size[0], size[1], size[2]);
+    let tokens = x.f_reshape([b * n, d])?; // [t, d]
+    let t_count = (b * n) as usize;
+    let k = routing.k();
+    let (chosen, weights) = route(&tokens, router, routing)?;
     let chosen: Vec<i64> = Vec::<i64>::try_from(&chosen.f_to_device(tch::Device::Cpu)?)?;
     let chosen_experts: Vec<u16> = chosen.iter().map(|&e| e as u16).collect();
     // Before any expert computes: drop stale prefetches, prefetch the next layer's experts.

@@ -84,4 +84,25 @@ pub trait ExpertProvider {
     fn routed(&mut self, _stack: Stack, _block: usize, _k: usize, _experts: &[u16]) -> Result<()> {
         Ok(())
     }
+
+    /// Whether the model should run the gate lookahead for this provider: at each MoE block,
+    /// the next MoE block's router applied to the current hidden state (see
+    /// [`predicted`](Self::predicted)). Off unless a provider uses it: it costs a norm and a
+    /// router product per MoE block.
+    fn wants_lookahead(&self) -> bool {
+        false
+    }
+
+    /// The gate lookahead's prediction for MoE block `block` of `stack`: its router, applied to
+    /// the hidden state entering the previous MoE block's FFN, chose `experts` (`k` per token,
+    /// as in [`routed`](Self::routed)). Arrives before the previous block routes.
+    fn predicted(
+        &mut self,
+        _stack: Stack,
+        _block: usize,
+        _k: usize,
+        _experts: &[u16],
+    ) -> Result<()> {
+        Ok(())
+    }
 }

@@ -8,7 +8,7 @@
 use tch::{Device, Tensor};
 
 use super::layers::{dense_act_dense, linear, Attention, Linear, RmsNorm, Weight};
-use super::moe::{moe_ffn, LayerRoute, Router, Routing};
+use super::moe::{moe_ffn, route_ahead, LayerRoute, Router, Routing};
 use crate::config::SwitchSpec;
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
@@ -297,6 +297,9 @@ impl SwitchModel {
         routes: &mut Vec<LayerRoute>,
     ) -> Result<Tensor> {
         let block = &stack.blocks[index];
+        if matches!(block.ff, FeedForward::Sparse(_)) && provider.wants_lookahead() {
+            self.look_ahead(stack, index, h, provider)?;
+        }
         let normed = block.ff_norm.forward(h)?;
         let out = match &block.ff {
             FeedForward::Dense { wi, wo } => dense_act_dense(&normed, wi, wo)?,
@@ -313,6 +316,34 @@ impl SwitchModel {
             )?,
         };
         Ok(h.f_add(&out)?)
+    }
+
+    /// The gate lookahead from MoE block `index`: the next MoE block of the stack routes `h`
+    /// (the hidden state entering block `index`'s FFN, normed with the next block's FF norm).
+    fn look_ahead(
+        &self,
+        stack: &StackWeights,
+        index: usize,
+        h: &Tensor,
+        provider: &mut dyn ExpertProvider,
+    ) -> Result<()> {
+        let next = stack
+            .blocks
+            .iter()
+            .enumerate()
+            .skip(index + 1)
+            .find_map(|(j, b)| match &b.ff {
+                FeedForward::Sparse(router) => Some((j, b, router)),
+                FeedForward::Dense { .. } => None,
+            });
+        let Some((j, block, router)) = next else {
+            return Ok(());
+        };
+        let routing = Routing::Top1 {
+            capacity: self.spec.expert_capacity,
+        };
+        let experts = route_ahead(&block.ff_norm.forward(h)?, router, routing)?;
+        provider.predicted(stack.stack, j, 1, &experts)
     }
 
     /// Runs the encoder over one source sequence: `[n]` ids → `[1, n, d]` hidden states.

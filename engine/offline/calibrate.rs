@@ -17,6 +17,7 @@ use crate::generation::input::parse_documents;
 use crate::generation::session::{CacheOptions, Session, SessionOptions};
 use crate::ids::Stack;
 use crate::model::LayerRoute;
+use crate::runtime::predict::{PredictorKind, PredictorLayerStats};
 
 /// Longest prompt (its last tokens) when `calibrate` and `tune-bits` feed a document to a
 /// decoder-only model.
@@ -98,13 +99,13 @@ pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
         &bundle,
         SessionOptions {
             max_input_tokens: document_input_tokens(&bundle),
-            cache,
+            cache: cache.clone(),
             ..SessionOptions::defaults(&bundle, u64::MAX / 4)
         },
     )?;
     let show = options.show_progress;
     let calibration = collect_paths(&mut session, &documents, "calibration", show)?;
-    let held_out = collect_paths(&mut session, &held_out_documents, "held out", show)?;
+    drop(session);
     let dict = build_dictionary(
         &calibration,
         spec.moe_blocks(Stack::Encoder).len(),
@@ -113,8 +114,25 @@ pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
         spec.top_k(),
     );
     let dictionary_path = bundle.save_path_dictionary(&dict)?;
+    // The held-out pass runs with the new dictionary and the gate lookahead, so that both
+    // predictors are scored live, as a run scores them (prefetch off: predictions only).
+    let bundle = Bundle::open(&options.bundle)?;
+    let mut session = Session::open(
+        &bundle,
+        SessionOptions {
+            max_input_tokens: document_input_tokens(&bundle),
+            cache: CacheOptions {
+                predictor: PredictorKind::Both,
+                ..cache
+            },
+            ..SessionOptions::defaults(&bundle, u64::MAX / 4)
+        },
+    )?;
+    let held_out = collect_paths(&mut session, &held_out_documents, "held out", show)?;
+    let mut report = report(&dict, calibration.len(), &held_out);
+    report.predictors = session.stats().predictions.report();
     Ok(CalibrationRun {
-        report: report(&dict, calibration.len(), &held_out),
+        report,
         dictionary_path,
     })
 }
@@ -262,6 +280,9 @@ pub struct CalibrationReport {
     pub held_out_documents: usize,
     pub encoder: StackReport,
     pub decoder: StackReport,
+    /// Precision and recall of each next-layer predictor on the held-out documents, per MoE
+    /// layer: each forward call's predicted experts against those its router chose.
+    pub predictors: Vec<PredictorLayerStats>,
 }
 
 pub fn report(
@@ -287,6 +308,7 @@ pub fn report(
         held_out_documents: held_out.len(),
         encoder: stack_report(Stack::Encoder, &dict.encoder),
         decoder: stack_report(Stack::Decoder, &dict.decoder),
+        predictors: Vec::new(),
     }
 }
 
@@ -320,6 +342,34 @@ impl CalibrationReport {
                 );
             }
         }
+        if !self.predictors.is_empty() {
+            out += &predictor_table(&self.predictors);
+        }
         out
     }
+}
+
+/// Per MoE layer, precision / recall of each predictor side by side ("-" where one made no
+/// prediction for the layer: the gate at a forward call's first MoE layer).
+pub fn predictor_table(stats: &[PredictorLayerStats]) -> String {
+    let mut layers: Vec<(&str, u16)> = stats.iter().map(|s| (s.stack.as_str(), s.block)).collect();
+    layers.sort_by_key(|&(stack, block)| (stack != "encoder", block));
+    layers.dedup();
+    let mut out = String::from(
+        "\nnext-layer predictions on held-out documents (a forward call's predicted experts vs the chosen):\n  stack     block   dictionary P / R   gate P / R      both P / R\n",
+    );
+    for (stack, block) in layers {
+        out += &format!("  {stack:<8} {block:>6}");
+        for kind in PredictorKind::ALL {
+            match stats
+                .iter()
+                .find(|s| s.predictor == kind && s.stack == stack && s.block == block)
+            {
+                Some(s) => out += &format!("   {:.3} / {:.3}", s.precision, s.recall),
+                None => out += "     -   /   -  ",
+            }
+        }
+        out.push('\n');
+    }
+    out
 }

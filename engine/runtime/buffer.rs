@@ -31,7 +31,9 @@ use crate::model::provider::{ExpertProvider, ExpertWeights};
 use crate::store::{AlignedBuf, ExpertStore};
 
 use super::codec::expert_weights;
-use super::predict::{seeds, Predictor};
+use super::predict::{
+    combined_prediction, gate_prediction, next_moe_block, seeds, Predictor, PredictorKind,
+};
 use super::prefetch::{self, Completion, Prefetcher, Request};
 use super::stats::ExpertStats;
 
@@ -42,8 +44,10 @@ pub struct BufferOptions {
     pub policy: Policy,
     /// Start a prefetch thread (dictionary predictions and the next expert of a layer).
     pub prefetch: bool,
-    /// Most speculative (dictionary-predicted) bytes started per forward call.
+    /// Most speculative (predicted) bytes started per forward call.
     pub prefetch_cap_bytes: u64,
+    /// Which predictions start speculative reads (each is scored whichever it is).
+    pub predictor: PredictorKind,
 }
 
 struct InFlight {
@@ -64,6 +68,10 @@ pub struct ExpertBuffer {
     dictionary: Option<Arc<PathDictionary>>,
     /// The dictionary's predictions for the next MoE layer (with a dictionary only).
     predictor: Option<Predictor>,
+    /// Which predictions start speculative reads.
+    predictor_kind: PredictorKind,
+    /// The gate lookahead's last prediction, waiting for the layer before it to route.
+    gate_prediction: Option<(Stack, usize, Vec<ExpertId>)>,
     /// The expert whose weights were handed out last (still being computed on).
     in_use: Option<ExpertId>,
     stats: ExpertStats,
@@ -86,6 +94,7 @@ impl ExpertBuffer {
                 policy: Policy::Lru,
                 prefetch: false,
                 prefetch_cap_bytes: 0,
+                predictor: PredictorKind::Dictionary,
             },
             None,
         )
@@ -135,6 +144,8 @@ impl ExpertBuffer {
             predictor: dictionary
                 .clone()
                 .map(|d| Predictor::new(d, layers.clone())),
+            predictor_kind: options.predictor,
+            gate_prediction: None,
             layers,
             dictionary,
             in_use: None,
@@ -184,6 +195,10 @@ impl ExpertBuffer {
 
     pub fn stats(&self) -> &ExpertStats {
         &self.stats
+    }
+
+    pub fn predictor_kind(&self) -> PredictorKind {
+        self.predictor_kind
     }
 
     pub fn slot_count(&self) -> usize {
@@ -450,6 +465,7 @@ impl ExpertProvider for ExpertBuffer {
             Stack::Encoder => self.current = None,
         }
         self.speculative_bytes = 0;
+        self.gate_prediction = None;
         if let Some(predictor) = self.predictor.as_mut() {
             predictor.begin_step(stack);
         }
@@ -470,12 +486,60 @@ impl ExpertProvider for ExpertBuffer {
         if stack == Stack::Decoder {
             self.current = self.layers.moe_index(stack, block);
         }
-        let Some(predictor) = self.predictor.as_mut() else {
-            return Ok(());
+        self.stats.predictions.score(stack, block, experts);
+        let dictionary = match self.predictor.as_mut() {
+            Some(p) => Some(p.routed(stack, block, k, experts, &mut self.stats.dictionary)),
+            None => None,
         };
-        for id in predictor.routed(stack, block, k, experts, &mut self.stats.dictionary) {
+        let next = next_moe_block(&self.layers, stack, block);
+        // The gate's prediction arrived before this block routed, for the block after it in
+        // the same forward call.
+        let gate = self
+            .gate_prediction
+            .take()
+            .filter(|(s, b, _)| Some((*s, *b)) == next && *s == stack)
+            .map(|(_, _, experts)| experts);
+        if let Some((next_stack, next_block)) = next {
+            if let Some(d) = &dictionary {
+                self.stats
+                    .predictions
+                    .expect(PredictorKind::Dictionary, next_stack, next_block, d);
+            }
+            if let Some(g) = &gate {
+                self.stats
+                    .predictions
+                    .expect(PredictorKind::Gate, next_stack, next_block, g);
+            }
+            if dictionary.is_some() || gate.is_some() {
+                let both = combined_prediction(
+                    dictionary.as_deref().unwrap_or(&[]),
+                    gate.as_deref().unwrap_or(&[]),
+                );
+                self.stats
+                    .predictions
+                    .expect(PredictorKind::Both, next_stack, next_block, &both);
+            }
+        }
+        let reads = match self.predictor_kind {
+            PredictorKind::Dictionary => dictionary.unwrap_or_default(),
+            PredictorKind::Gate => gate.unwrap_or_default(),
+            PredictorKind::Both => combined_prediction(
+                dictionary.as_deref().unwrap_or(&[]),
+                gate.as_deref().unwrap_or(&[]),
+            ),
+        };
+        for id in reads {
             self.start_prefetch(id, true)?;
         }
+        Ok(())
+    }
+
+    fn wants_lookahead(&self) -> bool {
+        true
+    }
+
+    fn predicted(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
+        self.gate_prediction = Some((stack, block, gate_prediction(stack, block, k, experts)));
         Ok(())
     }
 }

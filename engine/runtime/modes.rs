@@ -279,6 +279,17 @@ impl ExpertProvider for ExpertSource {
     fn routed(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
         self.inner().routed(stack, block, k, experts)
     }
+
+    fn wants_lookahead(&self) -> bool {
+        match self {
+            ExpertSource::Buffer(b) => b.wants_lookahead(),
+            _ => false,
+        }
+    }
+
+    fn predicted(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
+        self.inner().predicted(stack, block, k, experts)
+    }
 }
 
 impl ExpertSource {

@@ -14,6 +14,7 @@ use crate::dictionary::PathDictionary;
 use crate::ids::{ExpertId, Stack};
 
 use super::stats::DictionaryStats;
+pub use super::stats::{PredictionScores, PredictorKind, PredictorLayerStats};
 
 /// Least probability that an expert is among a token's experts (or, over several tokens, the
 /// mean of it) for the dictionary's prediction to be prefetched.
@@ -131,17 +132,61 @@ impl Predictor {
             .collect()
     }
 
-    /// The MoE block that runs after `block` of `stack`, across the encoder/decoder boundary
-    /// and from the decoder's last MoE layer to its first (the next token).
     fn next_moe_block(&self, stack: Stack, block: usize) -> Option<(Stack, usize)> {
-        if let Some(next) = self.layers.next_block(stack, block) {
-            return Some((stack, next));
-        }
-        self.layers
-            .blocks(Stack::Decoder)
-            .first()
-            .map(|&b| (Stack::Decoder, b))
+        next_moe_block(&self.layers, stack, block)
     }
+}
+
+/// The MoE block that runs after `block` of `stack`, across the encoder/decoder boundary and
+/// from the decoder's last MoE layer to its first (the next token).
+pub fn next_moe_block(layers: &LayerMap, stack: Stack, block: usize) -> Option<(Stack, usize)> {
+    if let Some(next) = layers.next_block(stack, block) {
+        return Some((stack, next));
+    }
+    layers
+        .blocks(Stack::Decoder)
+        .first()
+        .map(|&b| (Stack::Decoder, b))
+}
+
+/// The gate lookahead's choices (`k` per token) as a prefetch list for block `block` of
+/// `stack`: experts chosen for at least [`PREFETCH_MIN_PROBABILITY`] of the tokens, most chosen
+/// first (the rule the dictionary's expected counts follow).
+pub fn gate_prediction(stack: Stack, block: usize, k: usize, experts: &[u16]) -> Vec<ExpertId> {
+    let tokens = (experts.len() / k.max(1)).max(1);
+    let mut counts: Vec<(u16, usize)> = Vec::new();
+    for &e in experts {
+        match counts.iter_mut().find(|(x, _)| *x == e) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((e, 1)),
+        }
+    }
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    counts
+        .into_iter()
+        .take_while(|&(_, n)| n as f64 >= PREFETCH_MIN_PROBABILITY * tokens as f64)
+        .map(|(expert, _)| ExpertId {
+            stack,
+            layer: block as u16,
+            expert,
+        })
+        .collect()
+}
+
+/// Both predictions as one list: experts in both first (in the gate's order), then the gate's
+/// others, then the dictionary's others.
+pub fn combined_prediction(dictionary: &[ExpertId], gate: &[ExpertId]) -> Vec<ExpertId> {
+    let mut out: Vec<ExpertId> = gate
+        .iter()
+        .filter(|id| dictionary.contains(id))
+        .copied()
+        .collect();
+    for id in gate.iter().chain(dictionary) {
+        if !out.contains(id) {
+            out.push(*id);
+        }
+    }
+    out
 }
 
 /// Offline activation frequency of every expert, from the dictionary (empty without one).
@@ -171,4 +216,46 @@ pub fn seeds(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn experts(list: &[ExpertId]) -> Vec<u16> {
+        list.iter().map(|id| id.expert).collect()
+    }
+
+    #[test]
+    fn the_gates_choices_become_a_list_most_chosen_first() {
+        // Two tokens, top-2: 5 is chosen by both, 1 and 3 by one each.
+        let list = gate_prediction(Stack::Decoder, 4, 2, &[5, 1, 3, 5]);
+        assert_eq!(experts(&list), [5, 1, 3]);
+        assert!(list
+            .iter()
+            .all(|id| id.layer == 4 && id.stack == Stack::Decoder));
+        // Eleven tokens, top-1: an expert chosen once (< 10% of them) is left out.
+        let mut chosen = vec![2u16; 10];
+        chosen.push(6);
+        assert_eq!(
+            experts(&gate_prediction(Stack::Encoder, 1, 1, &chosen)),
+            [2]
+        );
+    }
+
+    #[test]
+    fn both_puts_agreement_first() {
+        let id = |expert| ExpertId {
+            stack: Stack::Decoder,
+            layer: 1,
+            expert,
+        };
+        let dictionary = [id(4), id(2), id(9)];
+        let gate = [id(7), id(2)];
+        assert_eq!(
+            experts(&combined_prediction(&dictionary, &gate)),
+            [2, 7, 4, 9]
+        );
+        assert_eq!(experts(&combined_prediction(&[], &gate)), [7, 2]);
+    }
 }

@@ -15,6 +15,7 @@ use crate::ids::Stack;
 use crate::runtime::budget::BudgetPlan;
 use crate::runtime::buffer::{BufferOptions, ExpertBuffer};
 use crate::runtime::modes::{DemandLoader, ExpertSource, MappedExperts, Mode};
+use crate::runtime::predict::PredictorKind;
 use crate::runtime::resident::ResidentExperts;
 use crate::store::{ExpertStore, ReadPacer, StorageMode};
 
@@ -26,6 +27,8 @@ pub struct CacheOptions {
     /// Speculative bytes per forward call; `None` = two experts (or, with top-k routing, k
     /// experts if more) per decoder MoE layer.
     pub prefetch_cap_bytes: Option<u64>,
+    /// Which predictions start speculative reads.
+    pub predictor: PredictorKind,
     /// Slots instead of "as many as the budget allows" (still checked against the budget).
     pub buffer_experts: Option<usize>,
     /// Record every expert access into this file.
@@ -45,6 +48,7 @@ impl Default for CacheOptions {
             policy: Policy::Edgemoe,
             prefetch: true,
             prefetch_cap_bytes: None,
+            predictor: PredictorKind::Dictionary,
             buffer_experts: None,
             trace: None,
             storage: StorageMode::Cached,
@@ -141,6 +145,7 @@ impl ExpertRuntime {
                     prefetch_cap_bytes: cache
                         .prefetch_cap_bytes
                         .unwrap_or(per_layer * decoder_moe_layers.max(1) * slot_bytes),
+                    predictor: cache.predictor,
                 },
                 dictionary.clone(),
             )

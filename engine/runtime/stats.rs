@@ -1,5 +1,5 @@
 //! The counters every expert provider keeps: accesses, hits, bytes read, stalls, prefetch and
-//! dictionary accuracy, overall and per MoE layer.
+//! dictionary accuracy, overall and per MoE layer; precision and recall of each predictor.
 
 use std::collections::BTreeMap;
 
@@ -62,6 +62,9 @@ pub struct ExpertStats {
     pub stall_ms: f64,
     pub prefetch: PrefetchStats,
     pub dictionary: DictionaryStats,
+    /// Every predictor's predictions, scored against the routing that followed.
+    #[serde(skip)]
+    pub predictions: PredictionScores,
     #[serde(skip)]
     per_layer: BTreeMap<(Stack, u16), (u64, u64)>,
 }
@@ -103,5 +106,214 @@ impl ExpertStats {
                 },
             })
             .collect()
+    }
+}
+
+/// Which predictions start speculative reads (`--predictor`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum PredictorKind {
+    /// The activation-path dictionary (`paths.bin`): the path so far, or a layer's
+    /// frequencies across a forward call's boundary.
+    #[default]
+    Dictionary,
+    /// The gate lookahead: the next MoE block's router applied to the hidden state entering
+    /// the current block's FFN. Predicts within a forward call only.
+    Gate,
+    /// Both: experts both name first, then the gate's, then the dictionary's.
+    Both,
+}
+
+impl PredictorKind {
+    pub const ALL: [PredictorKind; 3] = [
+        PredictorKind::Dictionary,
+        PredictorKind::Gate,
+        PredictorKind::Both,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PredictorKind::Dictionary => "dictionary",
+            PredictorKind::Gate => "gate",
+            PredictorKind::Both => "both",
+        }
+    }
+}
+
+impl std::str::FromStr for PredictorKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        PredictorKind::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown predictor `{s}` (expected dictionary, gate or both)"))
+    }
+}
+
+/// Precision and recall of one predictor at one MoE layer, over the forward calls that reached
+/// it: each call's predicted set against the set of experts the router chose (all tokens).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct PredictorLayerStats {
+    pub predictor: PredictorKind,
+    pub stack: String,
+    pub block: u16,
+    /// Forward calls whose experts for this layer were predicted.
+    pub calls: u64,
+    /// Experts predicted, summed over the calls.
+    pub predicted: u64,
+    /// Distinct experts the router chose, summed over the calls.
+    pub chosen: u64,
+    /// Predicted experts the router chose.
+    pub correct: u64,
+    /// `correct / predicted` (0 when nothing was predicted).
+    pub precision: f64,
+    /// `correct / chosen`.
+    pub recall: f64,
+}
+
+/// Scores every predictor's predictions against the routing that follows.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PredictionScores {
+    /// Predictions waiting for their layer to route: (predictor, stack, block) → experts.
+    pending: BTreeMap<(PredictorKind, Stack, u16), Vec<u16>>,
+    /// (predictor, stack, block) → (calls, predicted, chosen, correct).
+    totals: BTreeMap<(PredictorKind, Stack, u16), [u64; 4]>,
+}
+
+impl PredictionScores {
+    /// `predictor` predicts `experts` for block `block` of `stack` (replacing an earlier
+    /// prediction for that layer not scored yet).
+    pub fn expect(
+        &mut self,
+        predictor: PredictorKind,
+        stack: Stack,
+        block: usize,
+        experts: &[ExpertId],
+    ) {
+        self.pending.insert(
+            (predictor, stack, block as u16),
+            experts.iter().map(|id| id.expert).collect(),
+        );
+    }
+
+    /// Block `block` of `stack` routed to `chosen` (`k` per token): scores what was predicted
+    /// for it.
+    pub fn score(&mut self, stack: Stack, block: usize, chosen: &[u16]) {
+        let mut actual: Vec<u16> = chosen.to_vec();
+        actual.sort_unstable();
+        actual.dedup();
+        for predictor in PredictorKind::ALL {
+            let key = (predictor, stack, block as u16);
+            let Some(predicted) = self.pending.remove(&key) else {
+                continue;
+            };
+            let correct = predicted.iter().filter(|e| actual.contains(e)).count() as u64;
+            let total = self.totals.entry(key).or_default();
+            total[0] += 1;
+            total[1] += predicted.len() as u64;
+            total[2] += actual.len() as u64;
+            total[3] += correct;
+        }
+    }
+
+    /// Per predictor, per MoE layer (encoder first), in [`PredictorKind::ALL`] order.
+    pub fn report(&self) -> Vec<PredictorLayerStats> {
+        self.totals
+            .iter()
+            .map(
+                |(&(predictor, stack, block), &[calls, predicted, chosen, correct])| {
+                    PredictorLayerStats {
+                        predictor,
+                        stack: stack.hf_prefix().into(),
+                        block,
+                        calls,
+                        predicted,
+                        chosen,
+                        correct,
+                        precision: ratio(correct, predicted),
+                        recall: ratio(correct, chosen),
+                    }
+                },
+            )
+            .collect()
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(experts: &[u16]) -> Vec<ExpertId> {
+        experts
+            .iter()
+            .map(|&expert| ExpertId {
+                stack: Stack::Decoder,
+                layer: 2,
+                expert,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn predictions_are_scored_by_hand() {
+        let mut scores = PredictionScores::default();
+        // Call 1: {1, 2} predicted; tokens chose 2, 2, 3 → {2, 3}: 1 of 2 right, 1 of 2 found.
+        scores.expect(PredictorKind::Gate, Stack::Decoder, 2, &ids(&[1, 2]));
+        scores.expect(
+            PredictorKind::Dictionary,
+            Stack::Decoder,
+            2,
+            &ids(&[2, 3, 4, 5]),
+        );
+        scores.score(Stack::Decoder, 2, &[2, 2, 3]);
+        // A layer nobody predicted scores nothing; a prediction is used once.
+        scores.score(Stack::Decoder, 3, &[0]);
+        scores.score(Stack::Decoder, 2, &[7]);
+        // Call 2: the gate alone, {7} predicted, 7 chosen.
+        scores.expect(PredictorKind::Gate, Stack::Decoder, 2, &ids(&[7]));
+        scores.score(Stack::Decoder, 2, &[7]);
+        let report = scores.report();
+        assert_eq!(report.len(), 2, "{report:?}");
+        let dictionary = &report[0];
+        assert_eq!(dictionary.predictor, PredictorKind::Dictionary);
+        assert_eq!(
+            (
+                dictionary.calls,
+                dictionary.predicted,
+                dictionary.chosen,
+                dictionary.correct
+            ),
+            (1, 4, 2, 2)
+        );
+        assert_eq!((dictionary.precision, dictionary.recall), (0.5, 1.0));
+        let gate = &report[1];
+        assert_eq!((gate.stack.as_str(), gate.block), ("decoder", 2));
+        assert_eq!(
+            (gate.calls, gate.predicted, gate.chosen, gate.correct),
+            (2, 3, 3, 2)
+        );
+        assert!((gate.precision - 2.0 / 3.0).abs() < 1e-12);
+        assert!((gate.recall - 2.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn predictor_names_parse_back() {
+        for kind in PredictorKind::ALL {
+            assert_eq!(kind.name().parse::<PredictorKind>(), Ok(kind));
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", kind.name()));
+        }
+        assert!("oracle".parse::<PredictorKind>().is_err());
     }
 }
