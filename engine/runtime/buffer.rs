@@ -197,10 +197,6 @@ impl ExpertBuffer {
         &self.stats
     }
 
-    pub fn predictor_kind(&self) -> PredictorKind {
-        self.predictor_kind
-    }
-
     pub fn slot_count(&self) -> usize {
         self.table.len()
     }
