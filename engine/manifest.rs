@@ -60,6 +60,11 @@ impl FileSum {
     }
 }
 
+/// One plain file name: no directory part, not `.` or `..`, not empty, no NUL.
+fn is_bundle_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
+}
+
 fn hex(crc: u32) -> String {
     format!("{crc:08x}")
 }
@@ -136,6 +141,15 @@ impl Manifest {
                     "checksum mismatch (it records {}, its list of files gives {actual})",
                     manifest.checksum
                 ),
+            ));
+        }
+        // A file name inside the bundle, nothing else: a listed `/dev/…`, `../…` or absolute
+        // path would make `inspect --verify` and every open look outside the bundle.
+        if let Some(name) = manifest.files.keys().find(|n| !is_bundle_file_name(n)) {
+            return Err(Error::corrupt(
+                &path,
+                None,
+                format!("lists {name:?}, which is not the name of a file inside the bundle"),
             ));
         }
         Ok(Some(manifest))
@@ -220,6 +234,26 @@ fn compare(dir: &Path, name: &str, want: &FileSum, got: &FileSum) -> Result<()> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_manifest_listing_a_path_outside_the_bundle_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["/etc/passwd", "../x", "..", ".", "", "a/b", "/dev/zero"] {
+            // A hostile manifest with a correct checksum of its own (the CRC is no signature).
+            let mut m = Manifest::default();
+            m.record_bytes(name, b"x");
+            m.save(dir.path()).unwrap();
+            let err = Manifest::load(dir.path()).unwrap_err().to_string();
+            assert!(
+                err.contains("manifest.json") && err.contains("not the name of a file inside"),
+                "{name:?}: {err}"
+            );
+        }
+        let mut m = Manifest::default();
+        m.record_bytes("config.json", b"{}");
+        m.save(dir.path()).unwrap();
+        assert!(Manifest::load(dir.path()).unwrap().is_some());
+    }
 
     #[test]
     fn a_changed_file_or_manifest_is_named() {

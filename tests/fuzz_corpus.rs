@@ -22,12 +22,13 @@ use std::path::{Path, PathBuf};
 type Target = fn(&[u8]);
 
 /// The targets, by the name of their corpus folder.
-const TARGETS: [(&str, Target); 7] = [
+const TARGETS: [(&str, Target); 8] = [
     ("store", harness::store),
     ("paths", harness::paths),
     ("profile", harness::profile),
     ("trace", harness::trace),
     ("config", harness::config),
+    ("manifest", harness::manifest),
     ("safetensors", harness::safetensors),
     ("jsonl", harness::jsonl),
 ];
@@ -222,6 +223,17 @@ fn make_fuzz_corpus() {
             &format!("{name}.json"),
             &std::fs::read(bundle.join("config.json")).unwrap(),
         );
+        // manifest: the bundle's own (its checksum recomputed by the harness), and as raw
+        // bytes (a leading space: no fix-up) one listing a path outside the bundle.
+        let manifest = std::fs::read_to_string(bundle.join("manifest.json")).unwrap();
+        put("manifest", &format!("{name}.json"), manifest.as_bytes());
+        if name == &"tiny-mixtral" {
+            let outside = format!(
+                " {}",
+                manifest.replacen("\"config.json\"", "\"../config.json\"", 1)
+            );
+            put("manifest", "outside-raw.json", outside.as_bytes());
+        }
     }
     for (name, width) in [
         ("tiny-tied-e4", ResidentWidth::Int8),

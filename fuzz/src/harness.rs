@@ -18,6 +18,7 @@ use edgemoe::config::{BundleConfig, ModelSpec};
 use edgemoe::dictionary::PathDictionary;
 use edgemoe::generation::input::{json_records, parse_documents};
 use edgemoe::ids::{ExpertId, Stack};
+use edgemoe::manifest::{Manifest, MANIFEST_FILE};
 use edgemoe::model::Model;
 use edgemoe::offline::eval::parse_examples;
 use edgemoe::store::format::HEADER_BYTES;
@@ -209,6 +210,36 @@ pub fn safetensors(data: &[u8]) {
     }
     for spec in specs() {
         let _ = Model::load(spec, &files, tch::Device::Cpu);
+    }
+}
+
+/// A bundle's `manifest.json`, then what opening and `inspect --verify` do with it: every
+/// listed file's length checked, every listed file's sum compared. The manifest's own CRC is
+/// recomputed first when the input parses as a manifest (a crafted file carries a correct one;
+/// the checksum is no signature), so mutated names and sums reach the checks after it.
+pub fn manifest(data: &[u8]) {
+    let dir = scratch("bundle");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch bundle");
+    std::fs::write(dir.join("config.json"), b"{}").expect("scratch file");
+    match std::str::from_utf8(data)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Manifest>(t).ok())
+    {
+        Some(parsed) if data.first() != Some(&b' ') => {
+            if parsed.save(&dir).is_err() {
+                return;
+            }
+        }
+        _ => std::fs::write(dir.join(MANIFEST_FILE), data).expect("scratch file"),
+    }
+    let Ok(Some(manifest)) = Manifest::load(&dir) else {
+        return;
+    };
+    let _ = manifest.check_lengths(&dir, &[]);
+    for name in manifest.files.keys().take(64) {
+        let _ = manifest.check_file(&dir, name);
+        let _ = manifest.check_bytes(&dir, name, b"{}");
     }
 }
 
