@@ -16,7 +16,7 @@ root="$(cd .. && pwd)"
 
 seconds="${1:-25}"
 shift || true
-all=(store paths profile trace config manifest safetensors jsonl)
+all=(store paths profile trace config manifest safetensors tokenizer jsonl)
 targets=("${@:-${all[@]}}")
 timeout_ms="${AFL_TIMEOUT_MS:-2000}"
 nice_level="${FUZZ_NICE:-19}"

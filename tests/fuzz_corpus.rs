@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 type Target = fn(&[u8]);
 
 /// The targets, by the name of their corpus folder.
-const TARGETS: [(&str, Target); 8] = [
+const TARGETS: [(&str, Target); 9] = [
     ("store", harness::store),
     ("paths", harness::paths),
     ("profile", harness::profile),
@@ -30,6 +30,7 @@ const TARGETS: [(&str, Target); 8] = [
     ("config", harness::config),
     ("manifest", harness::manifest),
     ("safetensors", harness::safetensors),
+    ("tokenizer", harness::tokenizer),
     ("jsonl", harness::jsonl),
 ];
 
@@ -247,6 +248,16 @@ fn make_fuzz_corpus() {
             &std::fs::read(bundle.join("resident.safetensors")).unwrap(),
         );
     }
+    // tokenizer: the decoder fixtures' BPE tokenizer (small; the T5 one is 2.4 MB) and a
+    // near-miss with its model's type misspelled.
+    let bpe =
+        std::fs::read_to_string(common::fixture("tiny-mixtral").join("tokenizer.json")).unwrap();
+    put("tokenizer", "bpe.json", bpe.as_bytes());
+    put(
+        "tokenizer",
+        "bpe-bad-type.json",
+        bpe.replacen("\"BPE\"", "\"BPX\"", 1).as_bytes(),
+    );
     use safetensors::tensor::{Dtype, TensorView};
     let data: Vec<u8> = (0..48u8).collect();
     for (name, dtype, shape) in [

@@ -243,6 +243,20 @@ pub fn manifest(data: &[u8]) {
     }
 }
 
+/// A bundle's `tokenizer.json` through the `tokenizers` crate, then what the engine asks of it:
+/// encoding (bounded, whole, and a prompt's last tokens) and decoding, ids in and out of range.
+pub fn tokenizer(data: &[u8]) {
+    let path = scratch("tokenizer.json");
+    let Ok(tokenizer) = edgemoe::tokenizer::Tokenizer::from_bytes(&path, data) else {
+        return;
+    };
+    let text = "Maya: did you see the 3 cats?\r\nTom: yes! ünïcödé and emoji 🙂";
+    let _ = tokenizer.encode(text, 16);
+    let _ = tokenizer.encode_all(text);
+    let _ = tokenizer.encode_last(text, 8);
+    let _ = tokenizer.decode(&[0, 1, 2, 3, 31, 255, 5000, -1, i64::MAX]);
+}
+
 /// Input documents and examples: JSON lines, a JSON array, or plain text, as `summarize`,
 /// `eval`, `calibrate` and `tune-bits` read them.
 pub fn jsonl(data: &[u8]) {
