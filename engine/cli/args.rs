@@ -239,6 +239,7 @@ impl CacheArgs {
                 emulated_device: profile
                     .as_ref()
                     .map(|p| (p.read_bytes_per_s, p.read_latency)),
+                queue_depth: profile.as_ref().map_or(1, |p| p.queue_depth),
                 mode: self.mode,
                 quantized_bundle: self.quantized.clone(),
             },
