@@ -73,7 +73,7 @@ fn demand_reads_go_ahead_of_queued_speculative_reads() {
     }
     // Let the reader start the first speculative read.
     std::thread::sleep(Duration::from_millis(5));
-    assert_eq!(io.queued(), [0, 0, 3]);
+    assert_eq!(io.queued().iter().sum::<usize>(), 3);
     let demand = ids[10];
     io.submit(request(&store, demand, 10, Priority::Demand));
     // The model needs ids[3] too: its queued speculative read is hurried.
@@ -91,7 +91,7 @@ fn demand_reads_go_ahead_of_queued_speculative_reads() {
     }
     let order: Vec<ExpertId> = order.iter().map(|d| d.id).collect();
     assert_eq!(order, vec![ids[0], demand, ids[3], ids[1]], "service order");
-    assert_eq!(io.queued(), [0, 0, 0]);
+    assert_eq!(io.queued().iter().sum::<usize>(), 0);
     drop(io);
 }
 
@@ -107,7 +107,7 @@ fn several_readers_overlap_reads_and_still_serve_demand_first() {
         io.submit(request(&store, id, n, Priority::Speculative));
     }
     std::thread::sleep(Duration::from_millis(5));
-    assert_eq!(io.queued(), [0, 0, 4]);
+    assert_eq!(io.queued().iter().sum::<usize>(), 4);
     io.submit(request(&store, ids[20], 20, Priority::Demand));
     let order: Vec<ExpertId> = (0..7).map(|_| io.recv().unwrap().id).collect();
     // Two channels: 7 reads of 20 ms in about 4 rounds, not 7.

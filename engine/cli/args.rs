@@ -115,7 +115,7 @@ pub struct CacheArgs {
     /// edgemoe).
     #[arg(long, value_parser = parse_online_policy)]
     policy: Option<Policy>,
-    /// Do not start the prefetch thread (no dictionary prefetch, no read/compute overlap).
+    /// Do not prefetch: no I/O scheduler, no dictionary prefetch, no read/compute overlap.
     #[arg(long)]
     no_prefetch: bool,
     /// Most speculative bytes prefetched per token (default: the profile's, else two experts

@@ -78,7 +78,7 @@ pub struct ExpertBuffer {
     store: Arc<ExpertStore>,
     layers: LayerMap,
     table: SlotTable,
-    /// Slot memory; `None` while lent to the prefetch thread.
+    /// Slot memory; `None` while lent to the I/O scheduler.
     memory: Vec<Option<AlignedBuf>>,
     in_flight: HashMap<ExpertId, InFlight>,
     io: Option<IoScheduler>,
@@ -124,7 +124,7 @@ impl ExpertBuffer {
     }
 
     /// Allocates the slots (each large enough for the store's largest expert) and, with
-    /// prefetch on, starts the prefetch thread. `dictionary` seeds the policy's frequencies and
+    /// prefetch on, starts the I/O scheduler. `dictionary` seeds the policy's frequencies and
     /// drives speculative prefetch.
     pub fn with_options(
         store: ExpertStore,

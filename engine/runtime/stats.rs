@@ -18,7 +18,7 @@ pub struct LayerStats {
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct PrefetchStats {
-    /// Reads handed to the prefetch thread.
+    /// Reads started ahead of need (next expert and speculative).
     pub issued: u64,
     /// Prefetched experts that a later demand used.
     pub useful: u64,
@@ -28,7 +28,7 @@ pub struct PrefetchStats {
     /// as a failed demand read does.
     #[serde(default)]
     pub failed: u64,
-    /// Bytes the prefetch thread read.
+    /// Bytes those reads moved.
     pub bytes_read: u64,
     /// Bytes of prefetched experts evicted or dropped without being used.
     pub wasted_bytes: u64,
@@ -84,10 +84,11 @@ pub struct ExpertStats {
     pub misses: u64,
     /// All bytes read from the expert store (demand and prefetch).
     pub bytes_read: u64,
-    /// Time the compute thread spent reading (demand misses).
+    /// Time demand-miss reads took (on the compute thread, or on the I/O scheduler while the
+    /// compute thread waited).
     pub read_ms: f64,
     /// Time the compute thread waited for expert bytes: its own reads plus waits for reads in
-    /// flight on the prefetch thread.
+    /// flight on the I/O scheduler (demand misses included).
     pub stall_ms: f64,
     pub prefetch: PrefetchStats,
     pub dictionary: DictionaryStats,
