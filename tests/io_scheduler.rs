@@ -141,7 +141,7 @@ fn emulated_reads_take_the_time_their_profile_says() {
     }
     let measured = started.elapsed().as_secs_f64() * 1e3 / reads as f64;
     assert!(
-        measured >= per_read * 0.98 && measured <= per_read * 1.3,
+        measured >= per_read * 0.98 && measured <= per_read * 1.5,
         "rpi4-sd: {measured:.2} ms per read, the profile says {per_read:.2}"
     );
 
@@ -165,8 +165,10 @@ fn emulated_reads_take_the_time_their_profile_says() {
     }
     let measured = started.elapsed().as_secs_f64() * 1e3;
     let expected = latency + reads as f64 * transfer;
+    // The real reads run inside the paced time; on a loaded machine they can outlast it, so
+    // the upper bound is looser than the lower (reads that were never waited for take ~0).
     assert!(
-        measured >= expected * 0.98 && measured <= expected * 1.3 + 2.0,
+        measured >= expected * 0.98 && measured <= expected * 2.0 + 5.0,
         "rpi5-nvme: {reads} reads in {measured:.2} ms, the profile says {expected:.2}"
     );
 }
