@@ -21,8 +21,8 @@
 //! - L2, [`model`]: the architectures (Switch Transformers; Mixtral, Qwen2-MoE, OLMoE) over shared
 //!   layers and one MoE feed-forward, the `Model` enum, and the expert-provider interface.
 //! - L3, the online expert side and opening a bundle: [`runtime`] (expert buffer, prediction,
-//!   prefetch thread, codec, modes, resident experts, stats, budget, run setup), [`bundle`],
-//!   [`tokenizer`].
+//!   I/O scheduler and speculation, codec, modes, resident experts, stats, budget, run setup),
+//!   [`bundle`], [`tokenizer`].
 //! - L4, [`generation`]: one session type for every architecture — open, summarize or generate,
 //!   report.
 //! - L5, once-per-model work and measurement: [`offline`] (convert, calibrate, tune bit widths,

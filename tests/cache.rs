@@ -329,7 +329,11 @@ fn switch_tiny_buffer_with_prefetch_survives_many_tokens_and_shuts_down() {
         );
         let stats = s.buffer.stats().clone();
         assert!(stats.accesses > 500, "{stats:?}");
-        assert!(stats.prefetch.issued > 0);
+        // One slot is the expert being computed on when reads could start: nothing to read
+        // into (speculation starts once a layer's last expert is demanded).
+        if slots > 1 {
+            assert!(stats.prefetch.issued > 0, "{slots} slots: {stats:?}");
+        }
         let exited = s.buffer.as_buffer().unwrap().prefetch_exit_flag().unwrap();
         assert!(!exited.load(Ordering::Acquire));
         drop(s);
@@ -360,7 +364,9 @@ fn decoder_tiny_buffer_with_prefetch_keeps_its_slots_and_shuts_down() {
             assert_eq!(buffer.slot_count(), slots, "{name}: slots are fixed");
             let stats = buffer.stats().clone();
             assert_eq!(stats.hits + stats.misses, stats.accesses);
-            assert!(stats.prefetch.issued > 0, "{name}: {stats:?}");
+            if slots > 1 {
+                assert!(stats.prefetch.issued > 0, "{name}: {stats:?}");
+            }
             let exited = buffer.prefetch_exit_flag().unwrap();
             assert!(!exited.load(Ordering::Acquire));
             drop(buffer);

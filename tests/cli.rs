@@ -844,6 +844,74 @@ fn probe_storage_measures_every_size_and_depth() {
     assert_fails(&missing, &["nope"]);
 }
 
+/// `probe-storage --write-profile FILE` writes a profile with the measured storage figures
+/// (queue depth included) over a built-in base, which `summarize --profile FILE` then takes; it
+/// refuses to write over the file it probes or the profile it starts from.
+#[test]
+fn probe_storage_writes_a_profile_the_engine_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = dir.path().join("probe");
+    std::fs::create_dir(&probe).unwrap();
+    let profile = dir.path().join("my-board.toml");
+    let out = run(
+        &[
+            "probe-storage",
+            probe.to_str().unwrap(),
+            "--size",
+            "16MiB",
+            "--seconds",
+            "0.02",
+            "--write-profile",
+            profile.to_str().unwrap(),
+            "--base",
+            "rpi5-nvme",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let p = edgemoe::config::profile::DeviceProfile::load(profile.to_str().unwrap()).unwrap();
+    let base = edgemoe::config::profile::DeviceProfile::load("rpi5-nvme").unwrap();
+    assert_eq!(p.name, "my-board");
+    assert!((1..=16).contains(&p.queue_depth), "{}", p.queue_depth);
+    assert!(p.read_bytes_per_s > 0.0);
+    assert_eq!(
+        (p.budget_bytes, p.threads),
+        (base.budget_bytes, base.threads)
+    );
+    let text = std::fs::read_to_string(&profile).unwrap();
+    assert!(text.contains("storage_queue_depth"), "{text}");
+    // Its own inputs are never overwritten.
+    let before = std::fs::read(&profile).unwrap();
+    let out = run(
+        &[
+            "probe-storage",
+            probe.to_str().unwrap(),
+            "--size",
+            "16MiB",
+            "--write-profile",
+            profile.to_str().unwrap(),
+            "--base",
+            profile.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["--write-profile", "--base"]);
+    assert_eq!(std::fs::read(&profile).unwrap(), before);
+    let big = dir.path().join("big.bin");
+    std::fs::write(&big, vec![7u8; 8 << 20]).unwrap();
+    let out = run(
+        &[
+            "probe-storage",
+            big.to_str().unwrap(),
+            "--write-profile",
+            big.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_fails(&out, &["--write-profile", "big.bin"]);
+    assert_eq!(std::fs::metadata(&big).unwrap().len(), 8 << 20);
+}
+
 /// `probe-storage --size 0` (or any size below the 8 MiB a probe needs) is a usage error naming
 /// `--size`, not "failed to fill whole buffer" after writing an empty file; so is a bad
 /// `--seconds`.

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::config::profile::MeasuredStorage;
 use crate::error::{Error, Result};
 use crate::interrupt::RemoveOnInterrupt;
 use crate::store::AlignedBuf;
@@ -136,6 +137,51 @@ impl Drop for ProbeFile {
     }
 }
 
+/// Throughput growth below which more reads in flight are not worth keeping (10%).
+pub const DEPTH_GAIN: f64 = 1.10;
+
+/// A profile's storage figures from a probe's results: the bandwidth is the best throughput of
+/// the largest reads; the latency is the mean time of one 4 KiB read alone; the queue depth is
+/// the number of reads in flight past which doubling them gains less than [`DEPTH_GAIN`] (for
+/// reads of 1 MiB, the size of an expert of a real model, or the largest measured).
+pub fn storage_figures(results: &[ProbeResult]) -> Option<MeasuredStorage> {
+    let largest = results.iter().map(|r| r.read_bytes).max()?;
+    let smallest = results.iter().map(|r| r.read_bytes).min()?;
+    let read_bytes_per_s = results
+        .iter()
+        .filter(|r| r.read_bytes == largest)
+        .map(|r| r.bytes_per_s)
+        .fold(0.0, f64::max);
+    let read_latency_us = results
+        .iter()
+        .find(|r| r.read_bytes == smallest && r.in_flight == 1)?
+        .latency_us;
+    let depth_size = if results.iter().any(|r| r.read_bytes == 1 << 20) {
+        1 << 20
+    } else {
+        largest
+    };
+    let mut by_depth: Vec<(usize, f64)> = results
+        .iter()
+        .filter(|r| r.read_bytes == depth_size)
+        .map(|r| (r.in_flight, r.bytes_per_s))
+        .collect();
+    by_depth.sort_by_key(|&(d, _)| d);
+    let mut queue_depth = by_depth.first()?.0;
+    for pair in by_depth.windows(2) {
+        let ((_, slow), (deeper, fast)) = (pair[0], pair[1]);
+        if fast < slow * DEPTH_GAIN {
+            break;
+        }
+        queue_depth = deeper;
+    }
+    Some(MeasuredStorage {
+        read_bytes_per_s,
+        read_latency_us,
+        queue_depth,
+    })
+}
+
 /// Random aligned reads of `read_bytes` with `in_flight` threads for `duration`.
 pub fn measure(
     file: &ProbeFile,
@@ -193,4 +239,41 @@ pub fn measure(
         reads_per_s: n as f64 / secs,
         latency_us: busy_ns.load(Ordering::Relaxed) as f64 / n.max(1) as f64 / 1e3,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(read_bytes: u64, in_flight: usize, mb_per_s: f64) -> ProbeResult {
+        ProbeResult {
+            read_bytes,
+            in_flight,
+            bytes_per_s: mb_per_s * 1e6,
+            reads_per_s: mb_per_s * 1e6 / read_bytes as f64,
+            latency_us: read_bytes as f64 / mb_per_s,
+        }
+    }
+
+    #[test]
+    fn the_queue_depth_is_where_more_reads_stop_paying() {
+        // NVMe-like: gains up to 4 in flight, then under 10%.
+        let mut results = Vec::new();
+        for (size, scale) in [(4 << 10, 0.1), (1 << 20, 1.0), (4 << 20, 1.1)] {
+            for (depth, mb) in [(1, 200.0), (2, 330.0), (4, 430.0), (8, 450.0), (16, 455.0)] {
+                results.push(result(size, depth, mb * scale));
+            }
+        }
+        let m = storage_figures(&results).unwrap();
+        assert_eq!(m.queue_depth, 4);
+        assert!((m.read_bytes_per_s - 455.0 * 1.1 * 1e6).abs() < 1.0);
+        assert!((m.read_latency_us - 4096.0 / 20.0).abs() < 1e-6);
+        // SD-like: nothing gained from a second read.
+        let flat: Vec<ProbeResult> = [1, 2, 4]
+            .iter()
+            .flat_map(|&d| [result(4 << 10, d, 5.0), result(1 << 20, d, 40.0 + d as f64)])
+            .collect();
+        assert_eq!(storage_figures(&flat).unwrap().queue_depth, 1);
+        assert!(storage_figures(&[]).is_none());
+    }
 }

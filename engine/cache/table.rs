@@ -78,9 +78,10 @@ impl SlotTable {
         self.slots.get(slot).and_then(|s| s.holds)
     }
 
-    /// A free slot, or the policy's victim among the unpinned ones (`None` if every slot is
-    /// pinned).
-    fn make_room(&mut self, ctx: &AccessContext<'_>) -> Option<(usize, Option<Evicted>)> {
+    /// The slot a load would take now, without taking it: a free slot (`None` beside it) or
+    /// the policy's victim among the unpinned ones (with the expert it holds); `None` if every
+    /// slot is pinned.
+    pub fn peek_room(&self, ctx: &AccessContext<'_>) -> Option<(usize, Option<ExpertId>)> {
         if let Some(free) = self.slots.iter().position(|s| s.holds.is_none()) {
             return Some((free, None));
         }
@@ -102,11 +103,21 @@ impl SlotTable {
             return None;
         }
         let victim = self.policy.choose_victim(&candidates, ctx.current);
-        let old = std::mem::take(&mut self.slots[victim]);
-        let expert = old.holds.expect("candidates hold experts");
+        Some((victim, self.slots[victim].holds))
+    }
+
+    /// A free slot, or the policy's victim among the unpinned ones (`None` if every slot is
+    /// pinned).
+    fn make_room(&mut self, ctx: &AccessContext<'_>) -> Option<(usize, Option<Evicted>)> {
+        let (slot, victim) = self.peek_room(ctx)?;
+        if victim.is_none() {
+            return Some((slot, None));
+        }
+        let old = std::mem::take(&mut self.slots[slot]);
+        let expert = old.holds.expect("the victim holds an expert");
         self.slot_of.remove(&expert);
         Some((
-            victim,
+            slot,
             Some(Evicted {
                 expert,
                 prefetched_unused: old.prefetched_unused,

@@ -116,7 +116,7 @@ pub struct CacheArgs {
     /// edgemoe).
     #[arg(long, value_parser = parse_online_policy)]
     policy: Option<Policy>,
-    /// Do not start the prefetch thread (no dictionary prefetch, no read/compute overlap).
+    /// Do not prefetch: no I/O scheduler, no dictionary prefetch, no read/compute overlap.
     #[arg(long)]
     no_prefetch: bool,
     /// What predicts the experts to prefetch: dictionary (the activation-path dictionary,
@@ -246,6 +246,7 @@ impl CacheArgs {
                 emulated_device: profile
                     .as_ref()
                     .map(|p| (p.read_bytes_per_s, p.read_latency)),
+                queue_depth: profile.as_ref().map_or(1, |p| p.queue_depth),
                 mode: self.mode,
                 quantized_bundle: self.quantized.clone(),
             },

@@ -1,11 +1,15 @@
-//! `edgemoe probe-storage`: read throughput by read size and reads in flight, as a table or JSON.
+//! `edgemoe probe-storage`: read throughput by read size and reads in flight, as a table or JSON;
+//! with `--write-profile`, a device profile with the measured bandwidth, latency and queue depth.
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
 
-use edgemoe::bench::probe::{measure, ProbeFile, IN_FLIGHT, MIN_PROBE_BYTES, READ_SIZES};
+use edgemoe::bench::probe::{
+    measure, storage_figures, ProbeFile, IN_FLIGHT, MIN_PROBE_BYTES, READ_SIZES,
+};
+use edgemoe::config::profile::derive_profile_toml;
 use edgemoe::units::format_bytes;
 
 use super::args::parse_budget;
@@ -24,6 +28,22 @@ pub struct ProbeArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Write a device profile with the measured storage figures (bandwidth, latency, queue
+    /// depth) to FILE, the rest taken from `--base`; pass it as `--profile FILE`.
+    #[arg(long, value_name = "FILE")]
+    write_profile: Option<PathBuf>,
+    /// The profile (built-in name or TOML file) whose memory budget, threads, device, policy
+    /// and prefetch cap the written profile keeps.
+    #[arg(
+        long,
+        value_name = "NAME|FILE",
+        default_value = "rpi5-sd",
+        requires = "write_profile"
+    )]
+    base: String,
+    /// The written profile's name (default: FILE's name without `.toml`).
+    #[arg(long, requires = "write_profile")]
+    name: Option<String>,
 }
 
 fn parse_probe_size(text: &str) -> std::result::Result<u64, String> {
@@ -45,6 +65,21 @@ fn parse_seconds(text: &str) -> std::result::Result<f64, String> {
 }
 
 pub fn run(args: ProbeArgs) -> Result<()> {
+    if let Some(out) = &args.write_profile {
+        edgemoe::io::check_output_path("--write-profile", out)?;
+        // Never over what is read: the probed file, or the base profile's file.
+        let mut inputs: Vec<(&str, &std::path::Path)> = Vec::new();
+        if args.path.is_file() {
+            inputs.push(("PATH", &args.path));
+        }
+        let base = std::path::Path::new(&args.base);
+        if base.is_file() {
+            inputs.push(("--base", base));
+        }
+        edgemoe::atomic::refuse_overlap(("--write-profile", out), &inputs)?;
+        // A bad base is found before the probe runs.
+        edgemoe::config::profile::DeviceProfile::load(&args.base)?;
+    }
     let file = ProbeFile::prepare(&args.path, args.size)?;
     let duration = std::time::Duration::from_secs_f64(args.seconds);
     let mut results = Vec::new();
@@ -52,6 +87,25 @@ pub fn run(args: ProbeArgs) -> Result<()> {
         for &depth in &IN_FLIGHT {
             results.push(measure(&file, size, depth, duration)?);
         }
+    }
+    if let Some(out) = &args.write_profile {
+        let measured = storage_figures(&results)
+            .ok_or_else(|| anyhow::anyhow!("the probe measured nothing"))?;
+        let name = args.name.clone().unwrap_or_else(|| {
+            out.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "my-board".into())
+        });
+        let text = derive_profile_toml(&args.base, &name, &measured)?;
+        edgemoe::atomic::write_file(out, text.as_bytes())?;
+        eprintln!(
+            "wrote {}: {}/s, {:.0} µs per read, {} read(s) in flight (pass --profile {})",
+            out.display(),
+            format_bytes(measured.read_bytes_per_s as u64),
+            measured.read_latency_us,
+            measured.queue_depth,
+            out.display()
+        );
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
@@ -77,6 +131,6 @@ pub fn run(args: ProbeArgs) -> Result<()> {
             .find(|r| r.read_bytes == size && r.in_flight == 1);
         println!("{:>14.0}", qd1.map_or(0.0, |r| r.latency_us));
     }
-    println!("profile hint: storage_read_bandwidth = the 4 MiB row's best; storage_read_latency_us = the 4 KiB QD1 figure");
+    println!("profile hint: storage_read_bandwidth = the 4 MiB row's best; storage_read_latency_us = the 4 KiB QD1 figure; storage_queue_depth = the reads in flight past which the 1 MiB row gains under 10% (--write-profile FILE writes them)");
     Ok(())
 }

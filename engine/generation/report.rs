@@ -268,6 +268,7 @@ mod tests {
                 failed: 0,
                 bytes_read: 4096,
                 wasted_bytes: 512,
+                per_layer: vec![],
             },
             dictionary: DictionaryStats {
                 predictions: 30,

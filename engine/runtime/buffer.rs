@@ -4,9 +4,16 @@
 //! memory budget. Slots hold experts in their stored form, and the model computes on them there
 //! (views of the slot, see `codec`). Which expert sits where, and what to evict,
 //! is decided by a [`SlotTable`] and its [`Policy`] (the same code trace replay runs). With
-//! prefetch on, a [`Prefetcher`] thread reads experts ahead of need into free or evictable slots:
-//! experts the [`PathDictionary`] predicts for the next MoE layer, and the next expert of the
-//! layer being computed. A slot being computed on or being filled is never evicted.
+//! prefetch on, every read goes through an [`IoScheduler`] that owns the device: demand misses
+//! first (the compute thread waits for them), then the next expert of the layer being
+//! computed, then experts the [`PathDictionary`] predicts for the next MoE layer. A slot being
+//! computed on or being filled is never evicted.
+//!
+//! Speculation is held to what pays ([`Speculation`]): at most as many speculative reads in
+//! flight as the device serves at once, only into a free slot or one whose expert is worth less
+//! than the prediction (probability over layers until its next use, below the predicted
+//! expert's probability of being used next), and none for a layer where it has recently cost
+//! more than it saved.
 //!
 //! Top-k routing changes nothing for the slots: an expert is one blob whatever its matrices
 //! (`wi`/`wo` for Switch, `gate`/`up`/`down` for SwiGLU), demanded once per layer per forward
@@ -16,7 +23,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -34,7 +41,8 @@ use super::codec::expert_weights;
 use super::predict::{
     combined_prediction, gate_prediction, next_moe_block, seeds, Predictor, PredictorKind,
 };
-use super::prefetch::{self, Completion, Prefetcher, Request};
+use super::prefetch::{self, Completion, IoScheduler, Priority, Request};
+use super::speculation::Speculation;
 use super::stats::ExpertStats;
 
 /// Knobs of an [`ExpertBuffer`].
@@ -42,7 +50,8 @@ use super::stats::ExpertStats;
 pub struct BufferOptions {
     pub slots: usize,
     pub policy: Policy,
-    /// Start a prefetch thread (dictionary predictions and the next expert of a layer).
+    /// Read through an I/O scheduler, ahead of need (dictionary predictions and the next expert
+    /// of a layer). Its readers are the store's queue depth.
     pub prefetch: bool,
     /// Most speculative (predicted) bytes started per forward call.
     pub prefetch_cap_bytes: u64,
@@ -50,9 +59,22 @@ pub struct BufferOptions {
     pub predictor: PredictorKind,
 }
 
+/// Why a read in flight was started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadKind {
+    /// A demand miss: the compute thread waits for it.
+    Miss,
+    /// The next expert of the layer being computed.
+    Next,
+    /// A dictionary prediction.
+    Speculative,
+}
+
 struct InFlight {
-    cancel: Arc<AtomicBool>,
-    speculative: bool,
+    kind: ReadKind,
+    /// For a demand miss: the layers of the speculative reads in flight when it was submitted
+    /// (a started one delays it: its wait in the queue is charged to them).
+    behind: Vec<ExpertId>,
 }
 
 /// A fixed set of slots over an expert store.
@@ -60,10 +82,10 @@ pub struct ExpertBuffer {
     store: Arc<ExpertStore>,
     layers: LayerMap,
     table: SlotTable,
-    /// Slot memory; `None` while lent to the prefetch thread.
+    /// Slot memory; `None` while lent to the I/O scheduler.
     memory: Vec<Option<AlignedBuf>>,
     in_flight: HashMap<ExpertId, InFlight>,
-    prefetcher: Option<Prefetcher>,
+    io: Option<IoScheduler>,
     prefetch_cap_bytes: u64,
     dictionary: Option<Arc<PathDictionary>>,
     /// The dictionary's predictions for the next MoE layer (with a dictionary only).
@@ -72,6 +94,8 @@ pub struct ExpertBuffer {
     predictor_kind: PredictorKind,
     /// The gate lookahead's last prediction, waiting for the layer before it to route.
     gate_prediction: Option<(Stack, usize, Vec<ExpertId>)>,
+    /// Share of the call's tokens the gate lookahead routed to each expert it predicted.
+    gate_share: HashMap<ExpertId, f64>,
     /// The expert whose weights were handed out last (still being computed on).
     in_use: Option<ExpertId>,
     stats: ExpertStats,
@@ -81,6 +105,15 @@ pub struct ExpertBuffer {
     /// Decoder MoE layer executing.
     current: Option<usize>,
     speculative_bytes: u64,
+    speculation: Speculation,
+    /// The predictions for the layer after the one being computed, started once
+    /// that layer's own experts have been demanded (a speculative read started first would
+    /// hold the device while the layer's demand reads wait behind it).
+    deferred: Vec<ExpertId>,
+    /// The MoE layer routed last: (stack, MoE index).
+    routed_at: Option<(Stack, usize)>,
+    /// Offline activation probability of each expert within its layer (the dictionary's).
+    frequency: HashMap<ExpertId, f64>,
 }
 
 impl ExpertBuffer {
@@ -102,7 +135,7 @@ impl ExpertBuffer {
     }
 
     /// Allocates the slots (each large enough for the store's largest expert) and, with
-    /// prefetch on, starts the prefetch thread. `dictionary` seeds the policy's frequencies and
+    /// prefetch on, starts the I/O scheduler. `dictionary` seeds the policy's frequencies and
     /// drives speculative prefetch.
     pub fn with_options(
         store: ExpertStore,
@@ -126,11 +159,17 @@ impl ExpertBuffer {
             slots,
             PolicyState::new(options.policy, layers.clone(), &seeds),
         );
+        let frequency = seeds.iter().copied().collect();
+        let read_ms = store.pacer().map_or(0.0, |p| {
+            p.read_cost(store.max_padded_expert_bytes()).as_secs_f64() * 1e3
+        });
+        let speculation = Speculation::new(store.queue_depth(), read_ms);
         let store = Arc::new(store);
-        let prefetcher = if options.prefetch {
-            let p = Prefetcher::spawn(store.clone(), slots)
-                .map_err(|e| Error::Internal(format!("cannot start the prefetch thread: {e}")))?;
-            Some(p)
+        let io = if options.prefetch {
+            let readers = store.queue_depth().min(slots);
+            let io = IoScheduler::spawn(store.clone(), readers)
+                .map_err(|e| Error::Internal(format!("cannot start the I/O threads: {e}")))?;
+            Some(io)
         } else {
             None
         };
@@ -139,13 +178,14 @@ impl ExpertBuffer {
             table,
             memory,
             in_flight: HashMap::new(),
-            prefetcher,
+            io,
             prefetch_cap_bytes: options.prefetch_cap_bytes,
             predictor: dictionary
                 .clone()
                 .map(|d| Predictor::new(d, layers.clone())),
             predictor_kind: options.predictor,
             gate_prediction: None,
+            gate_share: HashMap::new(),
             layers,
             dictionary,
             in_use: None,
@@ -154,6 +194,10 @@ impl ExpertBuffer {
             step: 0,
             current: None,
             speculative_bytes: 0,
+            speculation,
+            deferred: Vec::new(),
+            routed_at: None,
+            frequency,
         })
     }
 
@@ -163,7 +207,7 @@ impl ExpertBuffer {
             edgemoe_trace: TRACE_VERSION,
             slots: self.table.len(),
             policy: self.table.policy.policy,
-            prefetch: self.prefetcher.is_some(),
+            prefetch: self.io.is_some(),
             layers: self.layers.clone(),
             seeds: seeds(
                 &self.layers,
@@ -205,9 +249,14 @@ impl ExpertBuffer {
         &self.store
     }
 
-    /// Whether the prefetch thread has exited (for shutdown tests).
+    /// Whether the I/O threads have exited (for shutdown tests).
     pub fn prefetch_exit_flag(&self) -> Option<Arc<AtomicBool>> {
-        self.prefetcher.as_ref().map(Prefetcher::exited_flag)
+        self.io.as_ref().map(IoScheduler::exited_flag)
+    }
+
+    /// The I/O scheduler (with prefetch on).
+    pub fn io(&self) -> Option<&IoScheduler> {
+        self.io.as_ref()
     }
 
     fn pinned(&self) -> Vec<ExpertId> {
@@ -237,14 +286,26 @@ impl ExpertBuffer {
         }
     }
 
-    /// Takes back a slot from the prefetch thread and updates the books.
+    /// Takes back a slot from the I/O scheduler and updates the books.
     fn complete(&mut self, done: Completion) -> Result<()> {
         self.memory[done.slot] = Some(done.memory);
-        self.in_flight.remove(&done.id);
+        let (kind, behind) = self
+            .in_flight
+            .remove(&done.id)
+            .map_or((ReadKind::Speculative, Vec::new()), |f| (f.kind, f.behind));
         match done.outcome {
-            prefetch::Outcome::Loaded { bytes, .. } => {
-                self.stats.prefetch.bytes_read += bytes;
+            prefetch::Outcome::Loaded { bytes, read_ms } => {
                 self.stats.bytes_read += bytes;
+                if kind == ReadKind::Miss {
+                    self.stats.read_ms += read_ms;
+                    if self.speculation.delayed(&behind, done.queued_ms) {
+                        self.refresh_speculation_stats();
+                    }
+                } else {
+                    self.stats.prefetch.bytes_read += bytes;
+                }
+                self.speculation
+                    .read(done.id, read_ms, kind == ReadKind::Speculative);
             }
             prefetch::Outcome::Cancelled => {
                 self.stats.prefetch.cancelled += 1;
@@ -257,13 +318,15 @@ impl ExpertBuffer {
                 // demanded: a prefetch that failed its checksum and were dropped quietly would
                 // be read again at every prediction, and the run would go on over a damaged
                 // store. The bytes it read are counted like any read's.
-                self.stats.prefetch.failed += 1;
                 let read = self.failed_read_bytes(&error);
-                self.stats.prefetch.bytes_read += read;
                 self.stats.bytes_read += read;
                 self.table.remove(done.id);
-                let pinned = self.pinned();
-                self.log(AccessKind::Cancel, done.id, &pinned)?;
+                if kind != ReadKind::Miss {
+                    self.stats.prefetch.failed += 1;
+                    self.stats.prefetch.bytes_read += read;
+                    let pinned = self.pinned();
+                    self.log(AccessKind::Cancel, done.id, &pinned)?;
+                }
                 return Err(error);
             }
         }
@@ -280,45 +343,44 @@ impl ExpertBuffer {
     }
 
     fn drain_completions(&mut self) -> Result<()> {
-        while let Some(done) = self.prefetcher.as_ref().and_then(Prefetcher::try_recv) {
+        while let Some(done) = self.io.as_ref().and_then(IoScheduler::try_recv) {
             self.complete(done)?;
         }
         Ok(())
     }
 
-    /// Blocks until the read of `id` (or, with `None`, any read) comes back.
-    fn wait_for(&mut self, id: Option<ExpertId>) -> Result<()> {
+    /// Blocks until the read of `id` (or, with `None`, any read) comes back; returns the
+    /// milliseconds waited (counted as stall).
+    fn wait_for(&mut self, id: Option<ExpertId>) -> Result<f64> {
         let started = Instant::now();
-        loop {
-            let done = self
-                .prefetcher
-                .as_ref()
-                .and_then(Prefetcher::recv)
-                .ok_or_else(|| {
-                    Error::Internal("the prefetch thread stopped unexpectedly".into())
-                })?;
+        let result = loop {
+            let Some(done) = self.io.as_ref().and_then(IoScheduler::recv) else {
+                break Err(Error::Internal(
+                    "the I/O threads stopped unexpectedly".into(),
+                ));
+            };
             let this = done.id;
-            self.complete(done)?;
-            if id.is_none() || id == Some(this) {
-                break;
+            if let Err(e) = self.complete(done) {
+                break Err(e);
             }
-        }
-        self.stats.stall_ms += started.elapsed().as_secs_f64() * 1e3;
-        Ok(())
+            if id.is_none() || id == Some(this) {
+                break Ok(());
+            }
+        };
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.stats.stall_ms += ms;
+        result.map(|()| ms)
+    }
+
+    /// Copies the speculation books into the statistics.
+    fn refresh_speculation_stats(&mut self) {
+        self.stats.prefetch.per_layer = self.speculation.per_layer();
     }
 
     /// The slot that holds `id`, ready to decode.
     fn demand(&mut self, id: ExpertId) -> Result<usize> {
         self.in_use = None;
         self.drain_completions()?;
-        // A prefetch we gave up on may still be in flight: let it land (or not) first.
-        if self
-            .in_flight
-            .get(&id)
-            .is_some_and(|f| f.cancel.load(Ordering::Acquire))
-        {
-            self.wait_for(Some(id))?;
-        }
         loop {
             let pinned = self.pinned();
             let ctx = AccessContext {
@@ -332,13 +394,17 @@ impl ExpertBuffer {
                     if prefetched {
                         self.stats.prefetch.useful += 1;
                     }
+                    let mut waited = 0.0;
                     if self.in_flight.contains_key(&id) {
-                        // A failed read comes back as its error.
-                        self.wait_for(Some(id))?;
-                        if self.table.slot_of(id).is_none() {
-                            // Cancelled before its read started: read it here.
-                            continue;
+                        // Still queued: it goes ahead of every speculative read. A failed read
+                        // comes back as its error.
+                        if let Some(io) = &self.io {
+                            io.upgrade(id, Priority::Demand);
                         }
+                        waited = self.wait_for(Some(id))?;
+                    }
+                    if self.speculation.demanded(id, waited) {
+                        self.refresh_speculation_stats();
                     }
                     return Ok(slot);
                 }
@@ -346,6 +412,14 @@ impl ExpertBuffer {
                     self.log(AccessKind::Demand, id, &pinned)?;
                     self.stats.record(id, false);
                     self.note_eviction(evicted);
+                    if self.speculation.missed(id, self.step) {
+                        self.refresh_speculation_stats();
+                    }
+                    if self.io.is_some() {
+                        self.submit(id, slot, ReadKind::Miss);
+                        self.wait_for(Some(id))?;
+                        return Ok(slot);
+                    }
                     let started = Instant::now();
                     let memory = self.memory[slot]
                         .as_mut()
@@ -378,14 +452,110 @@ impl ExpertBuffer {
         }
     }
 
-    /// Starts reading `id` on the prefetch thread if it is not resident or being read.
-    fn start_prefetch(&mut self, id: ExpertId, speculative: bool) -> Result<()> {
-        if self.prefetcher.is_none() || self.table.slot_of(id).is_some() {
+    /// Hands slot `slot`'s memory to the I/O scheduler to read `id` into.
+    fn submit(&mut self, id: ExpertId, slot: usize, kind: ReadKind) {
+        let memory = self.memory[slot]
+            .take()
+            .expect("a slot that is not being filled has its memory");
+        let priority = match kind {
+            ReadKind::Miss => Priority::Demand,
+            ReadKind::Next => Priority::Next,
+            ReadKind::Speculative => Priority::Speculative,
+        };
+        let behind = match kind {
+            ReadKind::Miss => self
+                .in_flight
+                .iter()
+                .filter(|(_, f)| f.kind == ReadKind::Speculative)
+                .map(|(id, _)| *id)
+                .collect(),
+            _ => Vec::new(),
+        };
+        self.io
+            .as_ref()
+            .expect("reads are submitted with prefetch on")
+            .submit(Request {
+                id,
+                slot,
+                memory,
+                priority,
+            });
+        self.in_flight.insert(id, InFlight { kind, behind });
+    }
+
+    /// Speculative reads in flight (queued or started).
+    fn speculative_in_flight(&self) -> usize {
+        self.in_flight
+            .values()
+            .filter(|f| f.kind == ReadKind::Speculative)
+            .count()
+    }
+
+    /// MoE layers from the one routed last until `id`'s layer runs next (0: not again in
+    /// this forward call's future, as an encoder layer already run).
+    fn distance(&self, id: ExpertId) -> usize {
+        let encoder = self.layers.blocks(Stack::Encoder).len();
+        let decoder = self.layers.decoder_layers().max(1);
+        let Some(index) = self.layers.moe_index(id.stack, id.layer as usize) else {
+            return 0;
+        };
+        let position = |stack: Stack, index: usize| match stack {
+            Stack::Encoder => index,
+            Stack::Decoder => encoder + index,
+        };
+        let target = position(id.stack, index);
+        let Some((stack, at)) = self.routed_at else {
+            return target + 1;
+        };
+        let now = position(stack, at);
+        match id.stack {
+            Stack::Encoder => target.saturating_sub(now),
+            Stack::Decoder if now < encoder => target - now,
+            Stack::Decoder => (index + decoder - (now - encoder) - 1) % decoder + 1,
+        }
+    }
+
+    /// Whether the policy's victim for a speculative load of `id` (predicted with
+    /// `probability` for the next layer) is worth less than the prediction: free, or an expert
+    /// whose chance of use per layer until its next turn is below it.
+    fn room_for_speculation(&self, probability: f64, ctx: &AccessContext<'_>) -> bool {
+        match self.table.peek_room(ctx) {
+            None => false,
+            Some((_, None)) => true,
+            Some((_, Some(victim))) => {
+                let d = self.distance(victim);
+                let value = if d == 0 {
+                    0.0
+                } else {
+                    self.frequency.get(&victim).copied().unwrap_or(0.0) / d as f64
+                };
+                value < probability
+            }
+        }
+    }
+
+    /// How likely the predictor that started speculation thinks `id` is needed: the
+    /// dictionary's probability, the share of tokens the gate lookahead routed to it, or the
+    /// larger of the two.
+    fn prediction_probability(&self, id: ExpertId) -> f64 {
+        let dictionary = || self.predictor.as_ref().map_or(1.0, |p| p.probability(id));
+        let gate = || self.gate_share.get(&id).copied().unwrap_or(0.0);
+        match self.predictor_kind {
+            PredictorKind::Dictionary => dictionary(),
+            PredictorKind::Gate => gate(),
+            PredictorKind::Both => dictionary().max(gate()),
+        }
+    }
+
+    /// Starts reading `id` through the I/O scheduler if it is not resident or being read.
+    fn start_prefetch(&mut self, id: ExpertId, kind: ReadKind) -> Result<()> {
+        if self.io.is_none() || self.table.slot_of(id).is_some() {
             return Ok(());
         }
         let Some(bytes) = self.store.entry(id).map(|e| e.length) else {
             return Ok(());
         };
+        let speculative = kind == ReadKind::Speculative;
         if speculative && self.speculative_bytes + bytes > self.prefetch_cap_bytes {
             return Ok(());
         }
@@ -395,44 +565,30 @@ impl ExpertBuffer {
             current: self.current,
             pinned: &pinned,
         };
+        if speculative {
+            let probability = self.prediction_probability(id);
+            let pays = self.speculation.enabled(id)
+                && self.speculative_in_flight() < self.store.queue_depth()
+                && self.room_for_speculation(probability, &ctx);
+            if !pays {
+                self.speculation.candidate(id, false);
+                return Ok(());
+            }
+        }
         let Some((slot, evicted)) = self.table.prefetch(id, &ctx) else {
             return Ok(());
         };
         self.log(AccessKind::Prefetch, id, &pinned)?;
-        self.note_eviction(evicted);
-        let memory = self.memory[slot]
-            .take()
-            .expect("a slot that is not being filled has its memory");
-        let cancel = Arc::new(AtomicBool::new(false));
-        let request = Request {
-            id,
-            slot,
-            memory,
-            cancel: cancel.clone(),
-        };
-        if let Err(request) = self
-            .prefetcher
-            .as_ref()
-            .expect("checked above")
-            .send(request)
-        {
-            self.memory[slot] = Some(request.memory);
-            self.table.remove(id);
-            return Err(Error::Internal(
-                "the prefetch thread stopped unexpectedly".into(),
-            ));
-        }
-        self.in_flight.insert(
-            id,
-            InFlight {
-                cancel,
-                speculative,
-            },
-        );
-        self.stats.prefetch.issued += 1;
         if speculative {
+            self.speculation.candidate(id, true);
+            if let Some(e) = evicted.filter(|e| !e.prefetched_unused) {
+                self.speculation.evicted(id, e.expert, self.step);
+            }
             self.speculative_bytes += bytes;
         }
+        self.note_eviction(evicted);
+        self.submit(id, slot, kind);
+        self.stats.prefetch.issued += 1;
         Ok(())
     }
 }
@@ -442,8 +598,14 @@ impl ExpertProvider for ExpertBuffer {
         let slot = self.demand(id)?;
         self.in_use = Some(id);
         // The slot in use is pinned: the next expert's read cannot take it.
-        if let Some(next) = next {
-            self.start_prefetch(next, false)?;
+        match next {
+            Some(next) => self.start_prefetch(next, ReadKind::Next)?,
+            // The layer's last expert is here: its reads no longer compete with speculation.
+            None => {
+                for id in std::mem::take(&mut self.deferred) {
+                    self.start_prefetch(id, ReadKind::Speculative)?;
+                }
+            }
         }
         let entry = self
             .store
@@ -458,7 +620,10 @@ impl ExpertProvider for ExpertBuffer {
     fn begin_step(&mut self, stack: Stack) {
         match stack {
             Stack::Decoder => self.step += 1,
-            Stack::Encoder => self.current = None,
+            Stack::Encoder => {
+                self.current = None;
+                self.routed_at = None;
+            }
         }
         self.speculative_bytes = 0;
         self.gate_prediction = None;
@@ -469,19 +634,40 @@ impl ExpertProvider for ExpertBuffer {
 
     fn routed(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
         self.in_use = None;
-        // Speculative reads for this layer that the router did not choose are dropped.
-        for (id, flight) in &self.in_flight {
-            if flight.speculative
-                && id.stack == stack
-                && id.layer as usize == block
-                && !experts.contains(&id.expert)
-            {
-                flight.cancel.store(true, Ordering::Release);
-            }
+        // Predictions for this layer not started yet are moot now.
+        self.deferred.clear();
+        // Speculative reads for this layer that the router did not choose are taken back if
+        // they have not started (a started read completes).
+        let mut unchosen: Vec<ExpertId> = self
+            .in_flight
+            .iter()
+            .filter(|(id, f)| {
+                f.kind == ReadKind::Speculative
+                    && id.stack == stack
+                    && id.layer as usize == block
+                    && !experts.contains(&id.expert)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        unchosen.sort();
+        for id in unchosen {
+            let Some(request) = self.io.as_ref().and_then(|io| io.cancel(id)) else {
+                continue;
+            };
+            self.memory[request.slot] = Some(request.memory);
+            self.in_flight.remove(&id);
+            self.table.remove(id);
+            self.stats.prefetch.cancelled += 1;
+            self.speculation.cancelled(id);
+            let pinned = self.pinned();
+            self.log(AccessKind::Cancel, id, &pinned)?;
         }
+        self.speculation.routed(stack, block as u16, experts);
+        self.refresh_speculation_stats();
         if stack == Stack::Decoder {
             self.current = self.layers.moe_index(stack, block);
         }
+        self.routed_at = self.layers.moe_index(stack, block).map(|i| (stack, i));
         self.stats.predictions.score(stack, block, experts);
         let dictionary = match self.predictor.as_mut() {
             Some(p) => Some(p.routed(stack, block, k, experts, &mut self.stats.dictionary)),
@@ -495,6 +681,9 @@ impl ExpertProvider for ExpertBuffer {
             .take()
             .filter(|(s, b, _)| Some((*s, *b)) == next && *s == stack)
             .map(|(_, _, experts)| experts);
+        if gate.is_none() {
+            self.gate_share.clear();
+        }
         if let Some((next_stack, next_block)) = next {
             if let Some(d) = &dictionary {
                 self.stats
@@ -516,7 +705,8 @@ impl ExpertProvider for ExpertBuffer {
                     .expect(PredictorKind::Both, next_stack, next_block, &both);
             }
         }
-        let reads = match self.predictor_kind {
+        // Started once this layer's own experts have been demanded (see `deferred`).
+        self.deferred = match self.predictor_kind {
             PredictorKind::Dictionary => dictionary.unwrap_or_default(),
             PredictorKind::Gate => gate.unwrap_or_default(),
             PredictorKind::Both => combined_prediction(
@@ -524,9 +714,6 @@ impl ExpertProvider for ExpertBuffer {
                 gate.as_deref().unwrap_or(&[]),
             ),
         };
-        for id in reads {
-            self.start_prefetch(id, true)?;
-        }
         Ok(())
     }
 
@@ -535,6 +722,16 @@ impl ExpertProvider for ExpertBuffer {
     }
 
     fn predicted(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
+        let tokens = (experts.len() / k.max(1)).max(1) as f64;
+        self.gate_share.clear();
+        for &expert in experts {
+            let id = ExpertId {
+                stack,
+                layer: block as u16,
+                expert,
+            };
+            *self.gate_share.entry(id).or_default() += 1.0 / tokens;
+        }
         self.gate_prediction = Some((stack, block, gate_prediction(stack, block, k, experts)));
         Ok(())
     }

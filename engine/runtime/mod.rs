@@ -2,7 +2,8 @@
 //!
 //! - [`buffer`]: the expert buffer — fixed slots over the expert store, a policy, prefetch.
 //! - [`predict`]: the path dictionary's predictions for the next MoE layer, during a run.
-//! - [`prefetch`]: the thread that reads experts into slots ahead of need.
+//! - [`prefetch`]: the I/O scheduler: reader threads over one priority queue (demand first).
+//! - [`speculation`]: whether speculative reads pay, per layer; stops and resumes them.
 //! - [`codec`]: stored expert bytes → f32 weights.
 //! - [`modes`]: the baselines behind the same provider interface (`io-free`, `io-exp`, `mmap`, …)
 //!   and the [`modes::ExpertSource`] a run uses.
@@ -19,4 +20,5 @@ pub mod predict;
 pub mod prefetch;
 pub mod resident;
 pub mod setup;
+pub mod speculation;
 pub mod stats;

@@ -32,6 +32,8 @@ pub struct Predictor {
     history_stack: Option<Stack>,
     /// The top-1 guess per token for the layer routed next: (stack, block, guesses).
     guesses: Option<(Stack, usize, Vec<u16>)>,
+    /// The last prediction: (stack, block, per expert the mean probability over the tokens).
+    last: Option<(Stack, usize, Vec<f64>)>,
 }
 
 impl Predictor {
@@ -43,6 +45,7 @@ impl Predictor {
             history_k: 1,
             history_stack: None,
             guesses: None,
+            last: None,
         }
     }
 
@@ -119,6 +122,11 @@ impl Predictor {
         if same_call {
             self.guesses = Some((next_stack, next_block, guesses));
         }
+        self.last = Some((
+            next_stack,
+            next_block,
+            mass.iter().map(|m| m / tokens as f64).collect(),
+        ));
         let mut order: Vec<usize> = (0..mass.len()).collect();
         order.sort_by(|&a, &b| mass[b].total_cmp(&mass[a]));
         order
@@ -130,6 +138,17 @@ impl Predictor {
                 expert: expert as u16,
             })
             .collect()
+    }
+
+    /// The probability (mean over the call's tokens) the last prediction gave `id`; 0 for an
+    /// expert of another layer.
+    pub fn probability(&self, id: ExpertId) -> f64 {
+        match &self.last {
+            Some((stack, block, p)) if *stack == id.stack && *block == id.layer as usize => {
+                p.get(id.expert as usize).copied().unwrap_or(0.0)
+            }
+            _ => 0.0,
+        }
     }
 
     fn next_moe_block(&self, stack: Stack, block: usize) -> Option<(Stack, usize)> {

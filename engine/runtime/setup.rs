@@ -36,6 +36,9 @@ pub struct CacheOptions {
     pub storage: StorageMode,
     /// Emulated device for `StorageMode::Emulate`: bytes per second and per-read latency.
     pub emulated_device: Option<(f64, std::time::Duration)>,
+    /// Reads the device serves at once (the profile's `storage_queue_depth`): the I/O
+    /// scheduler's readers, and the emulated device's channels.
+    pub queue_depth: usize,
     pub mode: Mode,
     /// Bundle whose (quantized) expert store the quantized modes use (`io-qexp`, `q`, `q+p`,
     /// `q+p+c`); same model, other widths.
@@ -53,6 +56,7 @@ impl Default for CacheOptions {
             trace: None,
             storage: StorageMode::Cached,
             emulated_device: None,
+            queue_depth: 1,
             mode: Mode::Edgemoe,
             quantized_bundle: None,
         }
@@ -114,7 +118,9 @@ impl ExpertRuntime {
             storage,
         )?;
         let pacer = match (cache.storage, cache.emulated_device) {
-            (StorageMode::Emulate, Some((bw, latency))) => Some(ReadPacer::new(bw, latency)),
+            (StorageMode::Emulate, Some((bw, latency))) => {
+                Some(ReadPacer::with_queue_depth(bw, latency, cache.queue_depth))
+            }
             (StorageMode::Emulate, None) => {
                 return Err(Error::Input(
                     "--storage emulate needs a device profile (--profile NAME)".into(),
@@ -151,6 +157,7 @@ impl ExpertRuntime {
             )
             .map(|b| ExpertSource::Buffer(Box::new(b)))
         };
+        store.set_queue_depth(cache.queue_depth);
         if mode != Mode::Mmap {
             store.set_pacer(pacer.clone());
         }

@@ -18,7 +18,7 @@ pub struct LayerStats {
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct PrefetchStats {
-    /// Reads handed to the prefetch thread.
+    /// Reads started ahead of need (next expert and speculative).
     pub issued: u64,
     /// Prefetched experts that a later demand used.
     pub useful: u64,
@@ -28,10 +28,39 @@ pub struct PrefetchStats {
     /// as a failed demand read does.
     #[serde(default)]
     pub failed: u64,
-    /// Bytes the prefetch thread read.
+    /// Bytes those reads moved.
     pub bytes_read: u64,
     /// Bytes of prefetched experts evicted or dropped without being used.
     pub wasted_bytes: u64,
+    /// Speculation per MoE layer (what it saved and cost, whether it is on).
+    #[serde(default)]
+    pub per_layer: Vec<LayerSpeculation>,
+}
+
+/// Per-layer figures in `--stats-json` (`prefetch.per_layer`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LayerSpeculation {
+    pub stack: String,
+    pub block: u16,
+    /// Speculative reads started for this layer.
+    pub issued: u64,
+    /// Of those, experts the router chose.
+    pub useful: u64,
+    /// Of those, experts it did not choose.
+    pub wasted: u64,
+    /// Predictions not read: the layer was stopped, the device had no headroom, or no slot
+    /// held an expert worth less than the prediction.
+    pub skipped: u64,
+    /// Stall avoided, estimated (see the module header).
+    pub saved_ms: f64,
+    /// Device time of unused reads over the queue depth, plus reads of experts they evicted.
+    pub cost_ms: f64,
+    /// Evicted experts missed soon after (counted in `cost_ms`).
+    pub costly_evictions: u64,
+    /// Times speculation on this layer was stopped or resumed.
+    pub switches: u64,
+    /// Whether the layer speculates at the end of the run.
+    pub enabled: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -55,10 +84,11 @@ pub struct ExpertStats {
     pub misses: u64,
     /// All bytes read from the expert store (demand and prefetch).
     pub bytes_read: u64,
-    /// Time the compute thread spent reading (demand misses).
+    /// Time demand-miss reads took (on the compute thread, or on the I/O scheduler while the
+    /// compute thread waited).
     pub read_ms: f64,
     /// Time the compute thread waited for expert bytes: its own reads plus waits for reads in
-    /// flight on the prefetch thread.
+    /// flight on the I/O scheduler (demand misses included).
     pub stall_ms: f64,
     pub prefetch: PrefetchStats,
     pub dictionary: DictionaryStats,

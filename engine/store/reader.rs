@@ -31,37 +31,83 @@ pub enum StorageMode {
     Emulate,
 }
 
-/// Paces reads to a device's speed: every read costs `latency + bytes / bandwidth`, and reads
-/// queue behind each other as on one SD card or disk (the prefetch thread's reads delay the
-/// compute thread's). The real read runs meanwhile; a read returns when both are done.
+/// Paces reads to a device's speed. The device has `queue_depth` channels sharing one bus: a
+/// read takes a free channel, spends `latency` there (overlapping other channels' latencies),
+/// then moves its bytes at `bandwidth`, one transfer at a time. With one channel (an SD card)
+/// every read costs `latency + bytes / bandwidth` and reads queue behind each other; with more
+/// (NVMe) only the latencies overlap, so the bandwidth is never exceeded. A read is booked when
+/// it starts (the I/O scheduler starts at most `queue_depth` at once, so queued reads can still
+/// be reordered or cancelled), the real read runs meanwhile, and it returns when both are done.
 #[derive(Debug, Clone)]
 pub struct ReadPacer {
     bytes_per_s: f64,
     latency: std::time::Duration,
-    /// Shared by clones: one device queue.
-    busy_until: std::sync::Arc<std::sync::Mutex<std::time::Instant>>,
+    /// Shared by clones: one device.
+    device: std::sync::Arc<std::sync::Mutex<PacedDevice>>,
+}
+
+#[derive(Debug)]
+struct PacedDevice {
+    /// When each channel is free again.
+    channels: Vec<std::time::Instant>,
+    /// When the bus has moved every booked byte.
+    bus_free: std::time::Instant,
 }
 
 impl ReadPacer {
+    /// A device with one channel.
     pub fn new(bytes_per_s: f64, latency: std::time::Duration) -> Self {
+        Self::with_queue_depth(bytes_per_s, latency, 1)
+    }
+
+    /// A device with `queue_depth` channels (at least one).
+    pub fn with_queue_depth(
+        bytes_per_s: f64,
+        latency: std::time::Duration,
+        queue_depth: usize,
+    ) -> Self {
+        let now = std::time::Instant::now();
         ReadPacer {
             bytes_per_s: bytes_per_s.max(1.0),
             latency,
-            busy_until: std::sync::Arc::new(std::sync::Mutex::new(std::time::Instant::now())),
+            device: std::sync::Arc::new(std::sync::Mutex::new(PacedDevice {
+                channels: vec![now; queue_depth.max(1)],
+                bus_free: now,
+            })),
         }
+    }
+
+    pub fn queue_depth(&self) -> usize {
+        self.lock().channels.len()
+    }
+
+    /// The device's time for one read of `bytes` on an idle device.
+    pub fn read_cost(&self, bytes: u64) -> std::time::Duration {
+        self.latency + std::time::Duration::from_secs_f64(bytes as f64 / self.bytes_per_s)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PacedDevice> {
+        self.device
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Books a read of `bytes` on the emulated device; returns when it would be done.
     pub fn book(&self, bytes: u64) -> std::time::Instant {
-        let cost =
-            self.latency + std::time::Duration::from_secs_f64(bytes as f64 / self.bytes_per_s);
-        let mut busy = self
-            .busy_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let start = (*busy).max(std::time::Instant::now());
-        *busy = start + cost;
-        *busy
+        let transfer = std::time::Duration::from_secs_f64(bytes as f64 / self.bytes_per_s);
+        let mut device = self.lock();
+        let (channel, free) = device
+            .channels
+            .iter()
+            .copied()
+            .enumerate()
+            .min_by_key(|&(_, t)| t)
+            .expect("at least one channel");
+        let start = free.max(std::time::Instant::now());
+        let done = (start + self.latency).max(device.bus_free) + transfer;
+        device.bus_free = done;
+        device.channels[channel] = done;
+        done
     }
 
     /// Sleeps until `done`.
@@ -81,6 +127,8 @@ pub struct ExpertStore {
     direct: Option<File>,
     /// Set when reads are paced to an emulated device.
     pacer: Option<ReadPacer>,
+    /// Reads worth keeping in flight on the device (the profile's queue depth).
+    queue_depth: usize,
     index: StoreIndex,
     /// Position of each expert in `index.experts`, by (stack, layer, expert).
     lookup: std::collections::HashMap<ExpertId, usize>,
@@ -225,6 +273,7 @@ impl ExpertStore {
             file,
             direct: None,
             pacer: None,
+            queue_depth: 1,
             index,
             lookup,
         })
@@ -281,6 +330,20 @@ impl ExpertStore {
     /// Paces every read from now on (`--storage emulate`).
     pub fn set_pacer(&mut self, pacer: Option<ReadPacer>) {
         self.pacer = pacer;
+    }
+
+    /// How many reads the device serves at once (at least one).
+    pub fn set_queue_depth(&mut self, depth: usize) {
+        self.queue_depth = depth.max(1);
+    }
+
+    pub fn queue_depth(&self) -> usize {
+        self.queue_depth
+    }
+
+    /// The emulated device reads are paced to, if any.
+    pub fn pacer(&self) -> Option<&ReadPacer> {
+        self.pacer.as_ref()
     }
 
     /// Asks the kernel to forget the store's cached pages (best effort).
@@ -398,6 +461,26 @@ mod tests {
         let a = pacer.book(1 << 20);
         let b = pacer.book(1 << 20);
         assert!(b > a);
+    }
+
+    #[test]
+    fn channels_overlap_latencies_and_share_the_bandwidth() {
+        // 1 MiB at 100 MiB/s = 10 ms of transfer, 10 ms of latency per read.
+        let finish = |depth: usize| {
+            let pacer = ReadPacer::with_queue_depth(
+                100.0 * 1024.0 * 1024.0,
+                Duration::from_millis(10),
+                depth,
+            );
+            assert_eq!(pacer.queue_depth(), depth);
+            let started = Instant::now();
+            let last = (0..4).map(|_| pacer.book(1 << 20)).max().unwrap();
+            (last - started).as_secs_f64() * 1e3
+        };
+        // One channel: 4 × (10 + 10) ms. Four: the latencies overlap, the transfers do not.
+        let (one, four) = (finish(1), finish(4));
+        assert!((one - 80.0).abs() < 2.0, "{one:.1} ms");
+        assert!((four - 50.0).abs() < 2.0, "{four:.1} ms");
     }
 
     use super::super::format::{ExpertEncoding, ExpertStoreWriter};

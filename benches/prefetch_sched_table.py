@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Median over rounds of benches/prefetch_sched.sh TSVs → the markdown table of BENCHMARKS §11:
+ms/token, hit ratio, wasted share and stall per cell as medians over the rounds; on/off as the
+median (and range) of each round's ratio of its two back-to-back runs.
+Usage: benches/prefetch_sched_table.py ROUND1.tsv [ROUND2.tsv ...]"""
+import csv, statistics, sys
+from collections import defaultdict
+
+runs = defaultdict(list)
+# on/off of the two runs made back to back in one round: the ratio the machine's load disturbs least.
+paired = defaultdict(list)
+for path in sys.argv[1:]:
+    rows = list(csv.DictReader(open(path), delimiter="\t"))
+    for row in rows:
+        runs[(row["build"], row["profile"], int(row["buffer"]), row["prefetch"])].append(row)
+    by = {(r["build"], r["profile"], r["buffer"], r["prefetch"]): float(r["ms_per_token"]) for r in rows}
+    for (b, p, buf, mode), ms in by.items():
+        if mode == "on" and (b, p, buf, "off") in by:
+            paired[(b, p, int(buf))].append(ms / by[(b, p, buf, "off")])
+
+def med(key, field):
+    rows = runs.get(key)
+    return statistics.median(float(r[field]) for r in rows) if rows else None
+
+builds = sorted({k[0] for k in runs}, reverse=True)  # before, after
+configs = sorted({(k[1], k[2]) for k in runs}, key=lambda c: (["rpi4-sd", "rpi5-sd", "rpi5-nvme"].index(c[0]) if c[0] in ["rpi4-sd", "rpi5-sd", "rpi5-nvme"] else 9, c[1]))
+head = ["profile", "buffer"]
+for b in builds:
+    head += [f"{b} on ms/tok", f"{b} off", f"{b} on/off (paired)", f"{b} hit on/off", f"{b} wasted %", f"{b} stall on/off"]
+print("| " + " | ".join(head) + " |")
+print("|" + "---|" * len(head))
+for p, buf in configs:
+    cells = [p, str(buf)]
+    for b in builds:
+        on, off = med((b, p, buf, "on"), "ms_per_token"), med((b, p, buf, "off"), "ms_per_token")
+        hon, hoff = med((b, p, buf, "on"), "hit_ratio"), med((b, p, buf, "off"), "hit_ratio")
+        wasted = med((b, p, buf, "on"), "wasted_bytes") / max(1.0, med((b, p, buf, "on"), "bytes_read"))
+        son, soff = med((b, p, buf, "on"), "stall_ms_per_token"), med((b, p, buf, "off"), "stall_ms_per_token")
+        cells += [f"{on:.2f}", f"{off:.2f}", f"**{statistics.median(paired[(b, p, buf)]):.2f}×** ({min(paired[(b, p, buf)]):.2f}–{max(paired[(b, p, buf)]):.2f})", f"{hon:.2f} / {hoff:.2f}", f"{100 * wasted:.0f}%", f"{son:.1f} / {soff:.1f}"]
+    print("| " + " | ".join(cells) + " |")
+n = {len(v) for v in runs.values()}
+print(f"\n(median of {sorted(n)} runs per cell)")
+same = {r["ids_md5"] for v in runs.values() for r in v}
+print(f"output ids digests over every run: {sorted(same)}")

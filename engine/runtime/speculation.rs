@@ -1,0 +1,335 @@
+//! Whether speculation pays, per MoE layer. A speculative read (an expert the path dictionary
+//! predicts for the next layer) saves the stall of a demand read when the router then chooses
+//! it and it arrives in time; it costs device time that demand reads may queue behind, and,
+//! when the buffer is full, the expert it evicts — which costs a demand read if that expert is
+//! needed soon after. [`Speculation`] books both, in milliseconds, per layer:
+//!
+//! - **saved**: for a speculative read the router chose, the device time of one read minus
+//!   what the compute thread still waited for it;
+//! - **cost**: for one it did not choose, the device time it took (a read cancelled before it
+//!   started costs nothing) divided by the device's queue depth (the share of the device it
+//!   held); the time demand reads waited in the queue while it was in flight; and a whole read
+//!   for every expert it evicted that is missed within the next step.
+//!
+//! A layer speculates while the running mean of `saved − cost` over its recent candidates
+//! stays at or above zero. When it falls below, the layer stops reading and keeps scoring its
+//! predictions as if it had read them ("shadow" candidates: a chosen one would have saved a
+//! read, times the share of a read that speculation on this layer actually saved; an unchosen
+//! one would have cost its device share); it resumes once that mean rises above a margin.
+//! Both switches need a minimum number of candidates since the last one (hysteresis).
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::ids::{ExpertId, Stack};
+
+use super::stats::LayerSpeculation;
+
+/// Weight of the newest candidate in a layer's running means.
+const ALPHA: f64 = 0.1;
+/// Candidates a layer needs since its last switch before it switches again.
+const MIN_SAMPLES: u64 = 8;
+/// A stopped layer resumes when its mean net saving per candidate exceeds this share of a read.
+const RESUME_MARGIN: f64 = 0.1;
+
+#[derive(Debug, Clone)]
+struct LayerBook {
+    enabled: bool,
+    /// Running mean of saved − cost per candidate, ms.
+    net_ms: f64,
+    /// Running mean of the share of a read a chosen speculative read saved.
+    realized: f64,
+    since_switch: u64,
+    /// Candidates for the next routing of this layer: (expert, read issued).
+    pending: Vec<(ExpertId, bool)>,
+    stats: LayerSpeculation,
+}
+
+impl LayerBook {
+    fn new(stack: Stack, block: u16) -> Self {
+        LayerBook {
+            enabled: true,
+            net_ms: 0.0,
+            realized: 1.0,
+            since_switch: 0,
+            pending: Vec::new(),
+            stats: LayerSpeculation {
+                stack: stack.hf_prefix().into(),
+                block,
+                enabled: true,
+                ..LayerSpeculation::default()
+            },
+        }
+    }
+
+    fn sample(&mut self, net_ms: f64, read_ms: f64) {
+        self.net_ms += ALPHA * (net_ms - self.net_ms);
+        self.since_switch += 1;
+        if self.since_switch < MIN_SAMPLES {
+            return;
+        }
+        let switch = if self.enabled {
+            self.net_ms < 0.0
+        } else {
+            self.net_ms > RESUME_MARGIN * read_ms
+        };
+        if switch {
+            self.enabled = !self.enabled;
+            self.stats.enabled = self.enabled;
+            self.stats.switches += 1;
+            self.since_switch = 0;
+        }
+    }
+}
+
+/// The books of every layer that has had a prediction.
+#[derive(Debug, Clone)]
+pub struct Speculation {
+    layers: BTreeMap<(Stack, u16), LayerBook>,
+    /// Running mean of the device time of one read, ms (0 until a read is seen).
+    read_ms: f64,
+    queue_depth: f64,
+    /// Speculative reads whose expert the router chose, not yet demanded: → its layer.
+    chosen: HashMap<ExpertId, (Stack, u16)>,
+    /// Speculative reads not started when their layer routed without them.
+    cancelled: Vec<ExpertId>,
+    /// Device time of finished speculative reads not yet resolved.
+    read_time: HashMap<ExpertId, f64>,
+    /// Experts a speculative read evicted: → (its layer, the step it happened).
+    evicted: HashMap<ExpertId, ((Stack, u16), u64)>,
+}
+
+impl Speculation {
+    pub fn new(queue_depth: usize, read_ms_estimate: f64) -> Self {
+        Speculation {
+            layers: BTreeMap::new(),
+            read_ms: read_ms_estimate.max(0.0),
+            queue_depth: queue_depth.max(1) as f64,
+            chosen: HashMap::new(),
+            cancelled: Vec::new(),
+            read_time: HashMap::new(),
+            evicted: HashMap::new(),
+        }
+    }
+
+    fn book(&mut self, id: ExpertId) -> &mut LayerBook {
+        self.layers
+            .entry((id.stack, id.layer))
+            .or_insert_with(|| LayerBook::new(id.stack, id.layer))
+    }
+
+    /// Whether `id`'s layer speculates now.
+    pub fn enabled(&self, id: ExpertId) -> bool {
+        self.layers
+            .get(&(id.stack, id.layer))
+            .is_none_or(|b| b.enabled)
+    }
+
+    /// A prediction for `id`'s layer, read (`issued`) or not.
+    pub fn candidate(&mut self, id: ExpertId, issued: bool) {
+        let book = self.book(id);
+        if book.pending.iter().any(|(p, _)| *p == id) {
+            return;
+        }
+        book.pending.push((id, issued));
+        if issued {
+            book.stats.issued += 1;
+        } else {
+            book.stats.skipped += 1;
+        }
+    }
+
+    /// A speculative read for `id` took the slot of `victim` at decoder step `step`.
+    pub fn evicted(&mut self, id: ExpertId, victim: ExpertId, step: u64) {
+        self.evicted.insert(victim, ((id.stack, id.layer), step));
+    }
+
+    /// A speculative read was taken back before it started.
+    pub fn cancelled(&mut self, id: ExpertId) {
+        self.cancelled.push(id);
+    }
+
+    /// Any read finished in `read_ms` of device time; `speculative` when it was one.
+    pub fn read(&mut self, id: ExpertId, read_ms: f64, speculative: bool) {
+        self.read_ms = if self.read_ms == 0.0 {
+            read_ms
+        } else {
+            self.read_ms + ALPHA * (read_ms - self.read_ms)
+        };
+        if speculative {
+            self.read_time.insert(id, read_ms);
+        }
+        // Read back in: no longer missing.
+        self.evicted.remove(&id);
+    }
+
+    /// The router of `block` of `stack` chose `experts`: this layer's candidates are settled.
+    pub fn routed(&mut self, stack: Stack, block: u16, experts: &[u16]) {
+        let Some(mut book) = self.layers.remove(&(stack, block)) else {
+            return;
+        };
+        let (read_ms, depth) = (self.read_ms, self.queue_depth);
+        for (id, issued) in std::mem::take(&mut book.pending) {
+            let chosen = experts.contains(&id.expert);
+            if issued && chosen {
+                book.stats.useful += 1;
+                self.chosen.insert(id, (stack, block));
+                continue;
+            }
+            let net = if issued {
+                book.stats.wasted += 1;
+                let device_ms = match self.cancelled.iter().position(|c| *c == id) {
+                    Some(at) => {
+                        self.cancelled.swap_remove(at);
+                        0.0
+                    }
+                    // Still in flight: it will take about a read.
+                    None => self.read_time.remove(&id).unwrap_or(read_ms),
+                };
+                let cost = device_ms / depth;
+                book.stats.cost_ms += cost;
+                -cost
+            } else if chosen {
+                read_ms * book.realized
+            } else {
+                -read_ms / depth
+            };
+            book.sample(net, read_ms);
+        }
+        self.layers.insert((stack, block), book);
+    }
+
+    /// The model demanded `id` after waiting `waited_ms` for it (0 when it was resident).
+    /// Returns whether it settled a speculative read.
+    pub fn demanded(&mut self, id: ExpertId, waited_ms: f64) -> bool {
+        self.read_time.remove(&id);
+        let Some(layer) = self.chosen.remove(&id) else {
+            return false;
+        };
+        let read_ms = self.read_ms;
+        let saved = (read_ms - waited_ms).max(0.0);
+        if let Some(book) = self.layers.get_mut(&layer) {
+            if read_ms > 0.0 {
+                book.realized += ALPHA * (saved / read_ms - book.realized);
+            }
+            book.stats.saved_ms += saved;
+            book.sample(saved, read_ms);
+        }
+        true
+    }
+
+    /// A demand read waited `queued_ms` in the queue while the speculative reads `behind` were
+    /// in flight: the wait is charged to their layers. Returns whether anything was charged.
+    pub fn delayed(&mut self, behind: &[ExpertId], queued_ms: f64) -> bool {
+        if behind.is_empty() || queued_ms <= 0.0 {
+            return false;
+        }
+        let (share, read_ms) = (queued_ms / behind.len() as f64, self.read_ms);
+        for id in behind {
+            let book = self.book(*id);
+            book.stats.cost_ms += share;
+            book.sample(-share, read_ms);
+        }
+        true
+    }
+
+    /// The model demanded `id` and had to read it, at decoder step `step`. Returns whether
+    /// a speculative read's eviction was charged for it.
+    pub fn missed(&mut self, id: ExpertId, step: u64) -> bool {
+        self.chosen.remove(&id);
+        let Some((layer, when)) = self.evicted.remove(&id) else {
+            return false;
+        };
+        if step > when + 1 {
+            return false;
+        }
+        let read_ms = self.read_ms;
+        if let Some(book) = self.layers.get_mut(&layer) {
+            book.stats.costly_evictions += 1;
+            book.stats.cost_ms += read_ms;
+            book.sample(-read_ms, read_ms);
+        }
+        true
+    }
+
+    /// Every layer's figures, encoder first.
+    pub fn per_layer(&self) -> Vec<LayerSpeculation> {
+        self.layers.values().map(|b| b.stats.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dec(expert: u16) -> ExpertId {
+        ExpertId {
+            stack: Stack::Decoder,
+            layer: 1,
+            expert,
+        }
+    }
+
+    #[test]
+    fn a_layer_whose_guesses_are_wrong_stops_and_resumes_when_they_improve() {
+        let mut s = Speculation::new(1, 10.0);
+        // Every read wasted: stops after MIN_SAMPLES candidates.
+        for step in 0..MIN_SAMPLES {
+            assert!(s.enabled(dec(0)), "stopped early, at {step}");
+            s.candidate(dec(0), true);
+            s.read(dec(0), 10.0, true);
+            s.routed(Stack::Decoder, 1, &[1]);
+        }
+        assert!(!s.enabled(dec(0)));
+        // Shadow candidates the router now chooses bring it back.
+        let mut resumed_after = None;
+        for step in 0..40 {
+            s.candidate(dec(1), false);
+            s.routed(Stack::Decoder, 1, &[1]);
+            if s.enabled(dec(1)) {
+                resumed_after = Some(step);
+                break;
+            }
+        }
+        let resumed_after = resumed_after.expect("never resumed");
+        assert!(resumed_after + 1 >= MIN_SAMPLES as usize, "{resumed_after}");
+        let stats = &s.per_layer()[0];
+        assert_eq!((stats.issued, stats.wasted, stats.switches), (8, 8, 2));
+        assert_eq!(stats.skipped, resumed_after as u64 + 1);
+        assert!((stats.cost_ms - 80.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn useful_reads_keep_a_layer_on_and_count_what_they_saved() {
+        let mut s = Speculation::new(1, 10.0);
+        for _ in 0..20 {
+            s.candidate(dec(2), true);
+            s.routed(Stack::Decoder, 1, &[2]);
+            s.read(dec(2), 10.0, true);
+            s.demanded(dec(2), 4.0);
+        }
+        assert!(s.enabled(dec(2)));
+        let stats = &s.per_layer()[0];
+        assert_eq!((stats.issued, stats.useful), (20, 20));
+        assert!((stats.saved_ms - 120.0).abs() < 1e-9, "{}", stats.saved_ms);
+    }
+
+    #[test]
+    fn an_eviction_missed_soon_after_is_charged_to_the_layer() {
+        let mut s = Speculation::new(2, 10.0);
+        let victim = ExpertId {
+            stack: Stack::Decoder,
+            layer: 0,
+            expert: 5,
+        };
+        s.candidate(dec(3), true);
+        s.evicted(dec(3), victim, 7);
+        s.missed(victim, 8);
+        let stats = &s.per_layer()[0];
+        assert_eq!(stats.costly_evictions, 1);
+        assert!((stats.cost_ms - 10.0).abs() < 1e-9);
+        // Much later, the eviction is not what made it miss.
+        s.evicted(dec(3), victim, 7);
+        s.missed(victim, 20);
+        assert_eq!(s.per_layer()[0].costly_evictions, 1);
+    }
+}

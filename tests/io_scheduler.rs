@@ -1,0 +1,299 @@
+//! Reading experts from the device: the I/O scheduler serves demand reads before queued
+//! speculative ones (and never stops a started read); the emulated device takes the time its
+//! profile says per read, at one read in flight and at several; and a damaged expert is an
+//! error however it is first read — by a speculative prefetch that the model then uses without
+//! reading it again, or through the memory map of `mmap` mode.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use common::cli::{assert_fails, run};
+
+use edgemoe::bundle::Bundle;
+use edgemoe::cache::trace::AccessKind;
+use edgemoe::config::profile::DeviceProfile;
+use edgemoe::ids::{ExpertId, Stack};
+use edgemoe::runtime::prefetch::{Completion, IoScheduler, Outcome, Priority, Request};
+use edgemoe::store::{AlignedBuf, ExpertStore, ReadPacer};
+
+/// The demo model converted once (512 KiB experts: reads long enough to time).
+fn demo_bundle() -> &'static Path {
+    static BUNDLE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    &BUNDLE
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let bundle = common::convert_to(&common::demo_checkpoint(), dir.path());
+            (dir, bundle)
+        })
+        .1
+}
+
+/// The demo store, reads paced to `pacer`.
+fn paced_store(pacer: ReadPacer) -> (ExpertStore, Vec<ExpertId>) {
+    let mut store = Bundle::open(demo_bundle()).unwrap().open_store().unwrap();
+    store.set_queue_depth(pacer.queue_depth());
+    store.set_pacer(Some(pacer));
+    let ids = store.index().experts.iter().map(|e| e.id).collect();
+    (store, ids)
+}
+
+fn request(store: &ExpertStore, id: ExpertId, slot: usize, priority: Priority) -> Request {
+    Request {
+        id,
+        slot,
+        memory: AlignedBuf::new(store.max_padded_expert_bytes() as usize),
+        priority,
+    }
+}
+
+fn loaded(done: &Completion) {
+    assert!(
+        matches!(done.outcome, Outcome::Loaded { .. }),
+        "{} did not load",
+        done.id
+    );
+}
+
+/// A demand read submitted while speculative reads wait goes ahead of all of them; only the
+/// one already started finishes first. A queued speculative read the model turns out to need
+/// is moved up; one it does not need is taken back unread.
+#[test]
+fn demand_reads_go_ahead_of_queued_speculative_reads() {
+    // 20 ms per read, one at a time: the order of completions is the order of service.
+    let pacer = ReadPacer::new(1e12, Duration::from_millis(20));
+    let (store, ids) = paced_store(pacer);
+    let store = Arc::new(store);
+    let io = IoScheduler::spawn(store.clone(), 1).unwrap();
+    assert_eq!(io.readers(), 1);
+    for (n, &id) in ids[..4].iter().enumerate() {
+        io.submit(request(&store, id, n, Priority::Speculative));
+    }
+    // Let the reader start the first speculative read.
+    std::thread::sleep(Duration::from_millis(5));
+    assert_eq!(io.queued().iter().sum::<usize>(), 3);
+    let demand = ids[10];
+    io.submit(request(&store, demand, 10, Priority::Demand));
+    // The model needs ids[3] too: its queued speculative read is hurried.
+    assert!(io.upgrade(ids[3], Priority::Demand));
+    // And not ids[2]: taken back, never read.
+    let back = io.cancel(ids[2]).expect("ids[2] was still queued");
+    assert_eq!((back.id, back.slot), (ids[2], 2));
+    assert!(
+        io.cancel(ids[0]).is_none(),
+        "a started read cannot be taken back"
+    );
+    let order: Vec<Completion> = (0..4).map(|_| io.recv().unwrap()).collect();
+    for done in &order {
+        loaded(done);
+    }
+    let order: Vec<ExpertId> = order.iter().map(|d| d.id).collect();
+    assert_eq!(order, vec![ids[0], demand, ids[3], ids[1]], "service order");
+    assert_eq!(io.queued().iter().sum::<usize>(), 0);
+    drop(io);
+}
+
+/// Several readers keep several reads in flight; demand still goes first among the queued.
+#[test]
+fn several_readers_overlap_reads_and_still_serve_demand_first() {
+    let pacer = ReadPacer::with_queue_depth(1e12, Duration::from_millis(20), 2);
+    let (store, ids) = paced_store(pacer);
+    let store = Arc::new(store);
+    let io = IoScheduler::spawn(store.clone(), 2).unwrap();
+    let started = Instant::now();
+    for (n, &id) in ids[..6].iter().enumerate() {
+        io.submit(request(&store, id, n, Priority::Speculative));
+    }
+    std::thread::sleep(Duration::from_millis(5));
+    assert_eq!(io.queued().iter().sum::<usize>(), 4);
+    io.submit(request(&store, ids[20], 20, Priority::Demand));
+    let order: Vec<ExpertId> = (0..7).map(|_| io.recv().unwrap().id).collect();
+    // Two channels: 7 reads of 20 ms in about 4 rounds, not 7.
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    assert!((75.0..125.0).contains(&ms), "{ms:.0} ms");
+    let at = order.iter().position(|&id| id == ids[20]).unwrap();
+    assert!(at <= 2, "the demand read came back {at}th: {order:?}");
+}
+
+/// Reads paced to a profile take the profile's time: `latency + bytes / bandwidth` each, one
+/// after the other on an SD card; with the NVMe profile's queue depth, reads in flight overlap
+/// their latencies but never exceed the bandwidth. (Booking a read without waiting for it
+/// would make every read instant.)
+#[test]
+fn emulated_reads_take_the_time_their_profile_says() {
+    let expert_bytes = {
+        let store = Bundle::open(demo_bundle()).unwrap().open_store().unwrap();
+        store.max_padded_expert_bytes()
+    };
+    // One at a time, on the compute thread, as with prefetch off.
+    let sd = DeviceProfile::load("rpi4-sd").unwrap();
+    assert_eq!(sd.queue_depth, 1);
+    let pacer = ReadPacer::with_queue_depth(sd.read_bytes_per_s, sd.read_latency, sd.queue_depth);
+    let per_read = pacer.read_cost(expert_bytes).as_secs_f64() * 1e3;
+    let (store, ids) = paced_store(pacer);
+    let mut slot = AlignedBuf::new(expert_bytes as usize);
+    let reads = 8;
+    let started = Instant::now();
+    for &id in &ids[..reads] {
+        store.read_expert(id, slot.as_mut_slice()).unwrap();
+    }
+    let measured = started.elapsed().as_secs_f64() * 1e3 / reads as f64;
+    assert!(
+        measured >= per_read * 0.98 && measured <= per_read * 1.5,
+        "rpi4-sd: {measured:.2} ms per read, the profile says {per_read:.2}"
+    );
+
+    // Through the scheduler at the NVMe profile's depth: the transfers queue on the bus.
+    let nvme = DeviceProfile::load("rpi5-nvme").unwrap();
+    assert!(nvme.queue_depth > 1);
+    let pacer =
+        ReadPacer::with_queue_depth(nvme.read_bytes_per_s, nvme.read_latency, nvme.queue_depth);
+    let transfer = expert_bytes as f64 / nvme.read_bytes_per_s * 1e3;
+    let latency = nvme.read_latency.as_secs_f64() * 1e3;
+    let (store, ids) = paced_store(pacer);
+    let store = Arc::new(store);
+    let io = IoScheduler::spawn(store.clone(), nvme.queue_depth).unwrap();
+    let reads = 16;
+    let started = Instant::now();
+    for (n, &id) in ids[..reads].iter().enumerate() {
+        io.submit(request(&store, id, n, Priority::Demand));
+    }
+    for _ in 0..reads {
+        loaded(&io.recv().unwrap());
+    }
+    let measured = started.elapsed().as_secs_f64() * 1e3;
+    let expected = latency + reads as f64 * transfer;
+    // The real reads run inside the paced time; on a loaded machine they can outlast it, so
+    // the upper bound is looser than the lower (reads that were never waited for take ~0).
+    assert!(
+        measured >= expected * 0.98 && measured <= expected * 2.0 + 5.0,
+        "rpi5-nvme: {reads} reads in {measured:.2} ms, the profile says {expected:.2}"
+    );
+}
+
+/// The demo bundle calibrated on a few SAMSum dialogues, so that prefetch has predictions.
+fn calibrated_copy(dir: &Path) -> PathBuf {
+    let bundle = common::checkpoint::copy_dir(demo_bundle(), dir);
+    let data = common::samsum("train");
+    let out = run(
+        &[
+            "calibrate",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--limit",
+            "10",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", common::cli::stderr(&out));
+    bundle
+}
+
+fn summarize(bundle: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "summarize",
+        "--model",
+        bundle.to_str().unwrap(),
+        "--input",
+        "-",
+        "--max-new-tokens",
+        "12",
+        "-q",
+    ];
+    if !extra.contains(&"--storage") {
+        args.extend(["--storage", "cached"]);
+    }
+    args.extend_from_slice(extra);
+    // The first 3 test dialogues, as JSON lines.
+    let text: String = std::fs::read_to_string(common::samsum("test"))
+        .unwrap()
+        .lines()
+        .take(3)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    run(&args, Some(&text))
+}
+
+/// A decoder expert whose first read in a run is a prefetch (the buffer holds every expert,
+/// so it is read once): damaged, it must still be an error, although the model then uses it
+/// without reading it again.
+#[test]
+fn a_damaged_expert_first_read_by_a_prefetch_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = calibrated_copy(dir.path());
+    let trace = dir.path().join("trace.jsonl");
+    let clean = summarize(
+        &bundle,
+        &["--buffer-experts", "64", "--trace", trace.to_str().unwrap()],
+    );
+    assert!(clean.status.success(), "{}", common::cli::stderr(&clean));
+    let (_, events) = edgemoe::cache::trace::read_trace(&trace).unwrap();
+    let mut first = std::collections::HashMap::new();
+    for e in &events {
+        first.entry((e.stack, e.layer, e.expert)).or_insert(e.kind);
+    }
+    let demanded: std::collections::HashSet<_> = events
+        .iter()
+        .filter(|e| e.kind == AccessKind::Demand)
+        .map(|e| (e.stack, e.layer, e.expert))
+        .collect();
+    let (stack, layer, expert) = *first
+        .iter()
+        .filter(|(key, kind)| {
+            key.0 == Stack::Decoder && **kind == AccessKind::Prefetch && demanded.contains(key)
+        })
+        .map(|(key, _)| key)
+        .min()
+        .expect("no decoder expert was prefetched before it was used");
+    let id = ExpertId {
+        stack,
+        layer,
+        expert,
+    };
+    common::checkpoint::flip_expert_byte(&bundle, id);
+    let out = summarize(&bundle, &["--buffer-experts", "64"]);
+    assert_fails(&out, &["experts.bin", &id.to_string(), "checksum"]);
+}
+
+/// `mmap` mode computes on the mapped store: a damaged expert is an error there too.
+#[test]
+fn a_damaged_expert_is_an_error_in_mmap_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::checkpoint::copy_dir(demo_bundle(), dir.path());
+    let store = Bundle::open(&bundle).unwrap().open_store().unwrap();
+    let ids: Vec<ExpertId> = store.index().experts.iter().map(|e| e.id).collect();
+    drop(store);
+    // Every expert of the first encoder MoE layer: whichever the router picks is damaged.
+    let first = ids
+        .iter()
+        .filter(|id| id.stack == Stack::Encoder)
+        .map(|id| id.layer)
+        .min()
+        .unwrap();
+    for id in ids
+        .iter()
+        .filter(|id| id.stack == Stack::Encoder && id.layer == first)
+    {
+        common::checkpoint::flip_expert_byte(&bundle, *id);
+    }
+    let out = summarize(&bundle, &["--mode", "mmap"]);
+    assert_fails(&out, &["experts.bin", "checksum"]);
+    for mode in ["mmap", "edgemoe"] {
+        let out = summarize(
+            &bundle,
+            &[
+                "--mode",
+                mode,
+                "--profile",
+                "rpi5-nvme",
+                "--storage",
+                "emulate",
+            ],
+        );
+        assert_fails(&out, &["experts.bin", "checksum"]);
+    }
+}
