@@ -312,6 +312,7 @@ impl ExpertBuffer {
             let pinned = self.pinned();
             let ctx = AccessContext {
                 current: self.current,
+                step: self.step,
                 pinned: &pinned,
             };
             match self.table.demand(id, &ctx) {
@@ -382,6 +383,7 @@ impl ExpertBuffer {
         let pinned = self.pinned();
         let ctx = AccessContext {
             current: self.current,
+            step: self.step,
             pinned: &pinned,
         };
         let Some((slot, evicted)) = self.table.prefetch(id, &ctx) else {
