@@ -1,16 +1,17 @@
 //! Eviction policies: which resident, evictable expert makes room for a new one.
 //!
 //! - `edgemoe` (default): evict the expert whose next use is expected farthest away, counted in
-//!   MoE-layer passes. EdgemoE's two terms — activation frequency and layer distance (§4.3) —
-//!   with units: an expert of decoder MoE layer `i`, chosen in a share `p = f / n` of its layer's
-//!   `n` passes so far (`f` its demand accesses), is expected back in
-//!   `d(i) + S · (1 − p) / p` passes, where `d(i) = ((i − I − 1) mod S) + 1` is how many MoE
-//!   layers run before layer `i` runs next (`I` the decoder MoE layer executing, `S` the number
-//!   of decoder MoE layers): the layer distance until its layer comes round, then whole rounds
-//!   of `S` layers until the router picks it again. Encoder experts come back with the next
-//!   document's encoder pass: the passes left in this document (decoder steps estimated from
-//!   the documents so far) plus whole documents `(1 − q) / q` for an expert used in a share `q`
-//!   of encoder passes. Ties go to the least recently used.
+//!   MoE-layer passes. EdgeMoE's two terms — activation frequency and layer distance (§4.3) —
+//!   with units: an expert of decoder MoE layer `i` comes back after `d(i) + S · (1 − a) / b`
+//!   passes, where `d(i) = ((i − I − 1) mod S) + 1` is how many MoE layers run before layer `i`
+//!   runs next (`I` the decoder MoE layer executing, `S` the number of decoder MoE layers), `a`
+//!   the chance that the layer's next pass picks it and `b` the chance per pass after that (so
+//!   `(1 − a) / b` rounds of `S` layers). `a` and `b` are counted per expert during the run, split
+//!   by whether the layer's previous pass used it (`PolicyState::chances`): a decoder that
+//!   repeats itself keeps its experts, one that moves on lets them go. Encoder experts come back
+//!   with the next document's encoder pass: the passes left in this document (its decoder steps
+//!   estimated from the documents so far), then whole documents for an expert that not every
+//!   encoder pass uses. Chosen on held-out traces of two models (BENCHMARKS.md §12).
 //! - `edgemoe-fd`: the score as EdgeMoE writes it, `L = −f / d(i)` with the same `d` (evict the
 //!   highest), encoder experts at `f = 0` (evicted first). The default until issue 12: the raw
 //!   count `f` grows without bound while `d ≤ S`, so at larger buffers it kept rarely used
