@@ -503,7 +503,7 @@ fn bench_smoke_two_modes_with_emulated_storage() {
             "--profile",
             "rpi5-nvme",
             "--modes",
-            "io-exp,edgemoe",
+            "io-exp,mmap,edgemoe",
             "--buffer-experts",
             "6",
             "--max-new-tokens",
@@ -517,7 +517,20 @@ fn bench_smoke_two_modes_with_emulated_storage() {
     let rows: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     let rows = rows.as_array().unwrap();
-    assert_eq!(rows.len(), 2);
+    assert_eq!(rows.len(), 3);
+    // Where the runs were confined, mmap at 6 experts got what edgemoe holds with 6 slots:
+    // less than edgemoe's whole budget, more than the 6 slots alone.
+    let limit = |mode: &str| {
+        rows.iter().find(|r| r["mode"] == mode).unwrap()["cgroup_limit_bytes"].as_u64()
+    };
+    if let (Some(mmap), Some(edgemoe)) = (limit("mmap"), limit("edgemoe")) {
+        assert!(
+            mmap < edgemoe && mmap > 6 * 512 * 1024,
+            "{mmap} vs {edgemoe}"
+        );
+    }
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("process overhead"), "{md}");
     for key in [
         "mode",
         "profile",

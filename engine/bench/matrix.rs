@@ -3,6 +3,14 @@
 //! where the machine allows it, so page-cache baselines pay for what they map — with the store's
 //! cached pages dropped before every run. Each child's `--stats-json` file is read back as
 //! [`RunStats`]; the matrix is written as `results.json`, `results.md` and SVG/PNG charts.
+//!
+//! The cgroup of a run holds its budget plus the process's own memory (binary, libtorch,
+//! allocator), measured once per matrix by a probe run that holds no expert buffer (`io-exp` on
+//! the first document, in a cgroup of its own: its peak minus resident weights, working memory
+//! and its one expert)
+//! unless given. With `--buffer-experts N`, `mmap`'s cgroup holds exactly what `edgemoe` holds
+//! with N slots — that overhead, the resident weights, the working memory and N slots — so the
+//! page cache gets the memory the buffer would have had, not the profile's whole budget.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -56,10 +64,11 @@ pub struct BenchOptions {
     pub storage: StorageMode,
     /// Most tokens generated per document (default: the model's generation config).
     pub max_new_tokens: Option<usize>,
-    /// Whether to confine runs to a memory cgroup of their budget plus `cgroup_overhead_bytes`.
+    /// Whether to confine runs to a memory cgroup of their budget plus the process overhead.
     pub confine: bool,
-    /// Memory a run may use beyond its budget inside the cgroup (binary, libtorch, allocator).
-    pub cgroup_overhead_bytes: u64,
+    /// Memory a run may use beyond its budget inside the cgroup (binary, libtorch, allocator);
+    /// `None` measures it with a probe run.
+    pub cgroup_overhead_bytes: Option<u64>,
     pub out: PathBuf,
     /// A progress bar, and warnings on standard error as they happen.
     pub show_progress: bool,
@@ -232,12 +241,125 @@ fn row(run: &BenchRun, profile: &str, budget_bytes: u64, stats: &RunStats) -> Be
         sample_ms_all,
         peak_rss_bytes: stats.peak_rss_bytes,
         cgroup_peak_bytes: None,
+        cgroup_limit_bytes: None,
         bytes_read_per_token: stats.bytes_read_per_token,
         stall_ms_per_token: stats.stall_ms_per_token,
         hit_ratio: stats.hit_ratio,
         tokens: stats.tokens_generated as u64,
         outputs_match_reference: None,
     }
+}
+
+/// What a run of the model holds besides its expert buffer, from a probe run's statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    /// The process's own memory: binary, libraries, allocator, thread stacks.
+    pub overhead_bytes: u64,
+    pub resident_bytes: u64,
+    pub working_bytes: u64,
+}
+
+impl Footprint {
+    /// From a run without an expert buffer: its peak memory (its cgroup's peak where it ran in
+    /// one — what a cgroup limit is checked against — else its peak RSS) less the resident
+    /// weights, working memory and the expert(s) it held (`buffer_bytes`).
+    pub fn from_probe(stats: &RunStats, cgroup_peak_bytes: Option<u64>) -> Footprint {
+        let peak = cgroup_peak_bytes.unwrap_or(stats.peak_rss_bytes);
+        Footprint {
+            overhead_bytes: peak
+                .saturating_sub(stats.resident_bytes + stats.working_bytes + stats.buffer_bytes),
+            resident_bytes: stats.resident_bytes,
+            working_bytes: stats.working_bytes,
+        }
+    }
+}
+
+/// The memory limit of `run`'s cgroup: its budget plus the process overhead, except an `mmap`
+/// run sized in experts, which gets what `edgemoe` holds with that many slots of `slot_bytes`.
+pub fn cgroup_limit(
+    run: &BenchRun,
+    budget_bytes: u64,
+    footprint: &Footprint,
+    slot_bytes: u64,
+) -> u64 {
+    match (run.mode, run.buffer_experts) {
+        (Mode::Mmap, Some(n)) => {
+            footprint.overhead_bytes
+                + footprint.resident_bytes
+                + footprint.working_bytes
+                + n as u64 * slot_bytes
+        }
+        _ => budget_bytes + footprint.overhead_bytes,
+    }
+}
+
+/// The `summarize` child of one run (its cgroup is set by [`run_child`]).
+fn summarize_command(
+    options: &BenchOptions,
+    input: &Path,
+    mode: Mode,
+    budget: u64,
+    stats_path: &Path,
+) -> Command {
+    let mut command = Command::new(&options.executable);
+    command
+        .arg("summarize")
+        .arg("--model")
+        .arg(&options.model)
+        .arg("--input")
+        .arg(input)
+        .arg("--mode")
+        .arg(mode.name())
+        .arg("--profile")
+        .arg(&options.profile)
+        .arg("--device")
+        .arg("cpu")
+        .arg("--storage")
+        .arg(storage_flag(options.storage))
+        .arg("--budget")
+        .arg(budget.to_string())
+        .arg("--stats-json")
+        .arg(stats_path)
+        .arg("--ids")
+        .arg("-q");
+    if let Some(n) = options.max_new_tokens {
+        command.arg("--max-new-tokens").arg(n.to_string());
+    }
+    command
+}
+
+/// Measures the process overhead with an `io-exp` run on the first document, in a cgroup of
+/// its own (limited far above its needs) where the machine allows it.
+fn probe_footprint(
+    options: &BenchOptions,
+    document: &str,
+    budget: u64,
+    cgroup_index: usize,
+) -> Result<Footprint> {
+    let out = &options.out;
+    let input = out.join("probe.jsonl");
+    let line = serde_json::json!({ "document": document }).to_string() + "\n";
+    crate::atomic::write_file(&input, line.as_bytes())?;
+    let stats_path = out.join("runs").join("probe-io-exp.json");
+    let cgroup = Cgroup::create(
+        cgroup_index,
+        budget.saturating_mul(4).saturating_add(4 << 30),
+    );
+    let output = run_child(
+        summarize_command(options, &input, Mode::IoExp, budget, &stats_path),
+        cgroup.as_ref(),
+    )?;
+    if !output.status.success() {
+        return Err(Error::Internal(format!(
+            "the probe run that measures the process overhead failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    Ok(Footprint::from_probe(
+        &RunStats::load(&stats_path)?,
+        cgroup.as_ref().and_then(Cgroup::peak_bytes),
+    ))
 }
 
 /// Runs the matrix and writes `input.jsonl`, `runs/*.json`, `results.json`, `results.md` and the
@@ -259,6 +381,27 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
     crate::atomic::write_file(&input, (lines.join("\n") + "\n").as_bytes())?;
     let quantized = quantized_bundle(options)?;
     let runs = plan_runs(&options.modes, &options.sizes, profile.budget_bytes);
+    let slot_bytes = crate::bundle::Bundle::open(&options.model)?
+        .open_store()?
+        .max_padded_expert_bytes();
+    // The process overhead and the model's resident and working bytes, measured by a probe
+    // where runs are confined and the overhead was not given, or an mmap run is sized in
+    // experts; a given overhead replaces the measured one.
+    let mmap_in_experts = runs
+        .iter()
+        .any(|r| r.mode == Mode::Mmap && r.buffer_experts.is_some());
+    let probe = options.confine && (options.cgroup_overhead_bytes.is_none() || mmap_in_experts);
+    let mut footprint = match documents.first() {
+        Some(first) if probe => probe_footprint(options, first, profile.budget_bytes, runs.len())?,
+        _ => Footprint {
+            overhead_bytes: 0,
+            resident_bytes: 0,
+            working_bytes: 0,
+        },
+    };
+    if let Some(overhead) = options.cgroup_overhead_bytes {
+        footprint.overhead_bytes = overhead;
+    }
 
     let progress = progress(runs.len(), options.show_progress);
     let mut rows: Vec<BenchRow> = Vec::new();
@@ -279,32 +422,9 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         let stats_path = out
             .join("runs")
             .join(format!("{i:02}-{}.json", run.mode.name().replace('+', "p")));
-        let mut command = Command::new(&options.executable);
-        command
-            .arg("summarize")
-            .arg("--model")
-            .arg(&options.model)
-            .arg("--input")
-            .arg(&input)
-            .arg("--mode")
-            .arg(run.mode.name())
-            .arg("--profile")
-            .arg(&options.profile)
-            .arg("--device")
-            .arg("cpu")
-            .arg("--storage")
-            .arg(storage_flag(options.storage))
-            .arg("--budget")
-            .arg(budget.to_string())
-            .arg("--stats-json")
-            .arg(&stats_path)
-            .arg("--ids")
-            .arg("-q");
+        let mut command = summarize_command(options, &input, run.mode, budget, &stats_path);
         if let Some(n) = run.buffer_experts {
             command.arg("--buffer-experts").arg(n.to_string());
-        }
-        if let Some(n) = options.max_new_tokens {
-            command.arg("--max-new-tokens").arg(n.to_string());
         }
         if let Some(q) = &quantized {
             command.arg("--quantized").arg(q);
@@ -314,8 +434,9 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         }
         // io-free is the infinite-memory oracle: it is not confined.
         let confine = options.confine && run.mode != Mode::IoFree;
+        let limit = cgroup_limit(run, budget, &footprint, slot_bytes);
         let cgroup = if confine {
-            Cgroup::create(i, budget + options.cgroup_overhead_bytes)
+            Cgroup::create(i, limit)
         } else {
             None
         };
@@ -361,6 +482,7 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         outputs.push((run.mode, ids));
         rows.push(BenchRow {
             cgroup_peak_bytes: cgroup.as_ref().and_then(Cgroup::peak_bytes),
+            cgroup_limit_bytes: cgroup.as_ref().map(|_| limit),
             outputs_match_reference,
             ..row(run, &profile.name, budget, &stats)
         });
@@ -381,13 +503,32 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
 
     let results_json = out.join("results.json");
     write_json(&results_json, &rows)?;
+    let confinement = if !options.confine {
+        "; runs not confined".to_string()
+    } else {
+        format!(
+            "; cgroups: budget + {} process overhead ({}){}",
+            format_bytes(footprint.overhead_bytes),
+            if options.cgroup_overhead_bytes.is_some() {
+                "given"
+            } else {
+                "measured by an io-exp probe run"
+            },
+            if mmap_in_experts {
+                ", mmap at N experts: what edgemoe holds with N slots"
+            } else {
+                ""
+            }
+        )
+    };
     let mut markdown = format!(
-        "{} documents from {}, profile {} ({}), storage {:?}{}\n\n{}",
+        "{} documents from {}, profile {} ({}), storage {:?}{}{}\n\n{}",
         documents.len(),
         options.data.display(),
         profile.name,
         profile.description,
         options.storage,
+        confinement,
         cgroup_note
             .as_ref()
             .map(|n| format!("; {n}"))
@@ -452,4 +593,37 @@ fn write_charts(rows: &[BenchRow], title: &str, out: &Path) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mmap_in_experts_gets_what_edgemoe_holds_with_that_many_slots() {
+        let footprint = Footprint {
+            overhead_bytes: 200,
+            resident_bytes: 1000,
+            working_bytes: 50,
+        };
+        let run = |mode, buffer_experts| BenchRun {
+            mode,
+            budget_bytes: None,
+            buffer_experts,
+        };
+        // mmap at 6 experts of 10 bytes: overhead + resident + working + 6 slots.
+        assert_eq!(
+            cgroup_limit(&run(Mode::Mmap, Some(6)), 5000, &footprint, 10),
+            200 + 1000 + 50 + 60
+        );
+        // Every other run: its budget plus the overhead.
+        assert_eq!(
+            cgroup_limit(&run(Mode::Edgemoe, Some(6)), 5000, &footprint, 10),
+            5200
+        );
+        assert_eq!(
+            cgroup_limit(&run(Mode::Mmap, None), 5000, &footprint, 10),
+            5200
+        );
+    }
 }

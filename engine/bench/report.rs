@@ -24,6 +24,8 @@ pub struct BenchRow {
     pub peak_rss_bytes: u64,
     /// Peak memory of the run's cgroup (page cache included), where a cgroup could be used.
     pub cgroup_peak_bytes: Option<u64>,
+    /// The memory limit of the run's cgroup, where one was used.
+    pub cgroup_limit_bytes: Option<u64>,
     pub bytes_read_per_token: f64,
     pub stall_ms_per_token: f64,
     pub hit_ratio: f64,

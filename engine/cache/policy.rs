@@ -1,17 +1,33 @@
 //! Eviction policies: which resident, evictable expert makes room for a new one.
 //!
-//! - `edgemoe`: evict the highest score `L(i, j) = −f(i, j) / d(i)` (EdgeMoE §4.3), with `d(i)`
-//!   read as "MoE layers until layer i runs next": `d = ((i − I − 1) mod S) + 1 ∈ [1, S]`, where
-//!   `I` is the decoder MoE layer now executing and `S` the number of decoder MoE layers. Experts
-//!   of the layers about to run are kept; encoder experts get `f = 0` and go first.
-//! - `edgemoe-paper`: the formula as printed, `d = (S − i + I) mod S`, which keeps the layers just
-//!   executed (`d = 0`, the current layer, is never evicted while anything else can be).
+//! - `edgemoe` (default): evict the expert whose next use is expected farthest away, counted in
+//!   MoE-layer passes. EdgeMoE's two terms — activation frequency and layer distance (§4.3) —
+//!   with units: an expert of decoder MoE layer `i` comes back after `d(i) + S · (1 − a) / b`
+//!   passes, where `d(i) = ((i − I − 1) mod S) + 1` is how many MoE layers run before layer `i`
+//!   runs next (`I` the decoder MoE layer executing, `S` the number of decoder MoE layers), `a`
+//!   the chance that the layer's next pass picks it and `b` the chance per pass after that (so
+//!   `(1 − a) / b` rounds of `S` layers). `a` and `b` are counted per expert during the run, split
+//!   by whether the layer's previous pass used it (`PolicyState::chances`): a decoder that
+//!   repeats itself keeps its experts, one that moves on lets them go. Encoder experts come back
+//!   with the next document's encoder pass: the passes left in this document (its decoder steps
+//!   estimated from the documents so far), then whole documents for an expert that not every
+//!   encoder pass uses. Chosen on held-out traces of two models (BENCHMARKS.md §12).
+//! - `edgemoe-fd`: the score as EdgeMoE writes it, `L = −f / d(i)` with the same `d` (evict the
+//!   highest), encoder experts at `f = 0` (evicted first). The default until issue 12: the raw
+//!   count `f` grows without bound while `d ≤ S`, so at larger buffers it kept rarely used
+//!   experts of the next layer over frequent ones and threw away encoder experts that the next
+//!   document needs (BENCHMARKS.md §12).
+//! - `edgemoe-paper`: `−f / d` with `d` as printed, `d = (S − i + I) mod S`, which keeps the
+//!   layers just executed (`d = 0`, the current layer, is never evicted while anything else can
+//!   be).
 //! - `lru`, `lfu`, `fifo`: the classic baselines.
 //! - `belady` (replay only): evict the expert whose next use is farthest; see `replay`.
 //!
 //! `f` counts demand accesses of the expert during the run (hits and misses, across evictions),
 //! seeded with the expert's offline activation frequency from the path dictionary scaled to
-//! [`SEED_WEIGHT`] accesses. Ties go to the least recently used expert.
+//! [`SEED_WEIGHT`] passes of its layer (`n` starts at [`SEED_WEIGHT`] for every layer with
+//! seeds). A pass is one forward call's demands of one MoE layer. Ties go to the least recently
+//! used expert.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,13 +38,15 @@ use serde::{Deserialize, Serialize};
 use crate::ids::ExpertId;
 use crate::ids::Stack;
 
-/// Offline frequencies weigh as much as this many observed demand accesses of a layer.
+/// Offline frequencies weigh as much as this many observed passes of a layer.
 pub const SEED_WEIGHT: f64 = 100.0;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Policy {
     #[serde(rename = "edgemoe")]
     Edgemoe,
+    #[serde(rename = "edgemoe-fd")]
+    EdgemoeFd,
     #[serde(rename = "edgemoe-paper")]
     EdgemoePaper,
     #[serde(rename = "lru")]
@@ -43,8 +61,9 @@ pub enum Policy {
 
 impl Policy {
     /// Policies a live run can use.
-    pub const ONLINE: [Policy; 5] = [
+    pub const ONLINE: [Policy; 6] = [
         Policy::Edgemoe,
+        Policy::EdgemoeFd,
         Policy::EdgemoePaper,
         Policy::Lru,
         Policy::Lfu,
@@ -54,6 +73,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Edgemoe => "edgemoe",
+            Policy::EdgemoeFd => "edgemoe-fd",
             Policy::EdgemoePaper => "edgemoe-paper",
             Policy::Lru => "lru",
             Policy::Lfu => "lfu",
@@ -75,13 +95,14 @@ impl FromStr for Policy {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "edgemoe" => Ok(Policy::Edgemoe),
+            "edgemoe-fd" => Ok(Policy::EdgemoeFd),
             "edgemoe-paper" => Ok(Policy::EdgemoePaper),
             "lru" => Ok(Policy::Lru),
             "lfu" => Ok(Policy::Lfu),
             "fifo" => Ok(Policy::Fifo),
             "belady" => Ok(Policy::Belady),
             other => Err(format!(
-                "unknown policy `{other}` (expected edgemoe, edgemoe-paper, lru, lfu, fifo or belady)"
+                "unknown policy `{other}` (expected edgemoe, edgemoe-fd, edgemoe-paper, lru, lfu, fifo or belady)"
             )),
         }
     }
@@ -116,6 +137,10 @@ impl LayerMap {
     pub fn decoder_layers(&self) -> usize {
         self.decoder_moe_blocks.len()
     }
+
+    pub fn encoder_layers(&self) -> usize {
+        self.encoder_moe_blocks.len()
+    }
 }
 
 /// What a policy knows about one resident expert.
@@ -127,35 +152,210 @@ pub struct Candidate {
     pub last_used: u64,
 }
 
-/// Online state of a policy: access counts (for `lfu` and the `edgemoe` scores).
+/// The last demanded layer: `(step, stack, block)`, where `step` is the number of decoder
+/// forward calls before it.
+type Pass = (u64, Stack, u16);
+
+/// Decoder steps per document, for the distance to the next encoder pass.
+#[derive(Debug, Clone, Copy, Default)]
+struct Documents {
+    /// Documents whose decoding has ended (the next one's encoder has started).
+    finished: u64,
+    /// Decoder steps of the finished documents.
+    finished_steps: u64,
+    /// Decoder steps of the document being decoded.
+    steps: u64,
+}
+
+impl Documents {
+    /// Expected decoder steps of the document being decoded: the mean of the finished ones,
+    /// and at least one more than it has taken so far.
+    fn expected_steps(&self) -> f64 {
+        let so_far = (self.steps + 1) as f64;
+        if self.finished == 0 {
+            return so_far;
+        }
+        (self.finished_steps as f64 / self.finished as f64).max(so_far)
+    }
+}
+
+/// How an expert's layer passes used it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Uses {
+    /// Passes of its layer that demanded it.
+    passes: f64,
+    /// Of those, passes right after a pass of the layer that demanded it too.
+    repeats: f64,
+    /// Index (count of its layer's passes) of the last pass that demanded it.
+    last: Option<f64>,
+}
+
+/// Online state of a policy: access counts and passes (for `lfu` and the `edgemoe` scores), and
+/// where the run is.
 #[derive(Debug, Clone)]
 pub struct PolicyState {
     pub policy: Policy,
     layers: LayerMap,
+    /// Demand accesses of each expert (seeded).
     frequency: HashMap<ExpertId, f64>,
+    /// Passes of each MoE layer that used each expert (seeded).
+    uses: HashMap<ExpertId, Uses>,
+    /// Passes of each MoE layer, by `(stack, block)` (seeded).
+    passes: HashMap<(Stack, u16), f64>,
+    last: Option<Pass>,
+    /// Step of the last decoder demand.
+    last_decoder_step: Option<u64>,
+    documents: Documents,
 }
 
 impl PolicyState {
     /// `seeds`: offline activation probability of each expert within its layer (may be empty).
     pub fn new(policy: Policy, layers: LayerMap, seeds: &[(ExpertId, f64)]) -> Self {
         let frequency = seeds.iter().map(|&(id, p)| (id, p * SEED_WEIGHT)).collect();
+        // Seeds as if the layer's passes had been independent draws.
+        let uses = seeds
+            .iter()
+            .map(|&(id, p)| {
+                let p = p.clamp(0.0, 1.0);
+                let uses = Uses {
+                    passes: p * SEED_WEIGHT,
+                    repeats: p * p * SEED_WEIGHT,
+                    last: None,
+                };
+                (id, uses)
+            })
+            .collect();
+        let passes = seeds
+            .iter()
+            .map(|&(id, _)| ((id.stack, id.layer), SEED_WEIGHT))
+            .collect();
         PolicyState {
             policy,
             layers,
             frequency,
+            uses,
+            passes,
+            last: None,
+            last_decoder_step: None,
+            documents: Documents::default(),
         }
     }
 
-    pub fn record_demand(&mut self, id: ExpertId) {
+    /// Counts a demand of `id` during decoder step `step` (forward calls of the decoder so far).
+    pub fn record_demand(&mut self, id: ExpertId, step: u64) {
+        let pass = (step, id.stack, id.layer);
+        if self.last != Some(pass) {
+            *self.passes.entry((id.stack, id.layer)).or_insert(0.0) += 1.0;
+            // An encoder pass after decoding starts the next document.
+            if id.stack == Stack::Encoder && self.last.is_some_and(|l| l.1 == Stack::Decoder) {
+                let docs = &mut self.documents;
+                docs.finished += 1;
+                docs.finished_steps += docs.steps;
+                docs.steps = 0;
+            }
+        }
+        if id.stack == Stack::Decoder && self.last_decoder_step != Some(step) {
+            self.documents.steps += 1;
+            self.last_decoder_step = Some(step);
+        }
+        self.last = Some(pass);
         *self.frequency.entry(id).or_insert(0.0) += 1.0;
+        let n = self.layer_passes(id);
+        let uses = self.uses.entry(id).or_default();
+        if uses.last != Some(n) {
+            if uses.last == Some(n - 1.0) {
+                uses.repeats += 1.0;
+            }
+            uses.passes += 1.0;
+            uses.last = Some(n);
+        }
+    }
+
+    fn layer_passes(&self, id: ExpertId) -> f64 {
+        self.passes
+            .get(&(id.stack, id.layer))
+            .copied()
+            .unwrap_or(0.0)
     }
 
     fn frequency(&self, id: ExpertId) -> f64 {
         self.frequency.get(&id).copied().unwrap_or(0.0)
     }
 
-    /// `−f / d` (higher = evict first). `current` is the decoder MoE layer executing (`None`
-    /// while the encoder runs: the decoder's first MoE layer is then the next to run).
+    /// `(first, later)`: the chance that the next pass of its layer demands `id`, and the chance
+    /// per pass after that. A first-order Markov estimate: whether a pass demands the expert
+    /// depends on whether the layer's previous pass did (a decoder repeating itself keeps its
+    /// experts; one moving on leaves them), each estimated from the run with one pseudo-pass at
+    /// the expert's overall share. The later rate leans on the "not demanded last time" rate
+    /// (weights ¾ and ¼, in the logarithm): after the first miss, the expert is one the layer
+    /// has moved away from.
+    fn chances(&self, id: ExpertId) -> (f64, f64) {
+        let n = self.layer_passes(id);
+        let Some(uses) = self.uses.get(&id).filter(|u| u.passes > 0.0 && n > 0.0) else {
+            return (0.0, 0.0);
+        };
+        let share = (uses.passes / n).min(1.0);
+        let recent = uses.last == Some(n);
+        // Passes with a successor pass that followed a use, and that followed none.
+        let after_use = uses.passes - if recent { 1.0 } else { 0.0 };
+        let after_none = (n - 1.0 - after_use).max(0.0);
+        let again = ((uses.repeats + share) / (after_use + 1.0)).min(1.0);
+        let anew = ((uses.passes - uses.repeats + share) / (after_none + 1.0)).min(1.0);
+        let first = if recent { again } else { anew };
+        (first, first.powf(0.25) * anew.powf(0.75))
+    }
+
+    /// `edgemoe`: MoE-layer passes until `id` is expected to be demanded again (higher = evict
+    /// first). `current` is the decoder MoE layer executing (`None` while the encoder runs).
+    fn expected_reuse(&self, id: ExpertId, current: Option<usize>) -> f64 {
+        let (first, later) = self.chances(id);
+        let Some(i) = self.layers.moe_index(id.stack, id.layer as usize) else {
+            return f64::INFINITY;
+        };
+        if later <= 0.0 {
+            return f64::INFINITY;
+        }
+        let (e, s) = (
+            self.layers.encoder_layers() as f64,
+            self.layers.decoder_layers() as f64,
+        );
+        // The encoder MoE layer executing, if the encoder runs.
+        let encoding = match (current, self.last) {
+            (None, Some((_, Stack::Encoder, block))) => {
+                self.layers.moe_index(Stack::Encoder, block as usize)
+            }
+            _ => None,
+        };
+        let steps = self.documents.expected_steps();
+        let i = i as f64;
+        match id.stack {
+            Stack::Decoder => {
+                let until = match (current, encoding) {
+                    (Some(cur), _) => ((i as i64 - cur as i64 - 1).rem_euclid(s as i64) + 1) as f64,
+                    // The encoder's remaining layers, then the decoder's first ones.
+                    (None, Some(now)) => (e - 1.0 - now as f64) + i + 1.0,
+                    (None, None) => i + 1.0,
+                };
+                until + s * (1.0 - first) / later
+            }
+            Stack::Encoder => {
+                let document = e + steps * s;
+                let until = match encoding {
+                    Some(now) if i > now as f64 => i - now as f64,
+                    Some(now) => (e - now as f64) + steps * s + i,
+                    None => {
+                        let left = (steps - self.documents.steps as f64).max(0.0);
+                        left * s + i + 1.0
+                    }
+                };
+                until + document * (1.0 - first) / later
+            }
+        }
+    }
+
+    /// `edgemoe-fd` and `edgemoe-paper`: `−f / d` (higher = evict first). `current` is the
+    /// decoder MoE layer executing (`None` while the encoder runs: the decoder's first MoE layer
+    /// is then the next to run).
     fn edgemoe_score(&self, id: ExpertId, current: Option<usize>, literal: bool) -> f64 {
         if id.stack == Stack::Encoder {
             return 0.0;
@@ -195,8 +395,10 @@ impl PolicyState {
             Policy::Lru | Policy::Belady => by(&|c| (0.0, c.last_used)),
             Policy::Fifo => by(&|c| (c.inserted_at as f64, c.last_used)),
             Policy::Lfu => by(&|c| (self.frequency(c.expert), c.last_used)),
+            // Evict the farthest expected reuse: minimise its negation.
+            Policy::Edgemoe => by(&|c| (-self.expected_reuse(c.expert, current), c.last_used)),
             // Evict the highest score: minimise its negation.
-            Policy::Edgemoe => {
+            Policy::EdgemoeFd => {
                 by(&|c| (-self.edgemoe_score(c.expert, current, false), c.last_used))
             }
             Policy::EdgemoePaper => {
@@ -286,13 +488,82 @@ mod tests {
         state.policy = Policy::Fifo;
         assert_eq!(state.choose_victim(&cands, Some(1)), 0);
         state.policy = Policy::Lfu;
-        state.record_demand(dec(1, 1));
-        state.record_demand(dec(2, 0));
+        state.record_demand(dec(1, 1), 1);
+        state.record_demand(dec(2, 0), 1);
         // dec(3,2) has the lowest count.
         assert_eq!(state.choose_victim(&cands, Some(1)), 2);
-        // edgemoe at layer 1 with equal counts: layer 2 (d=1) is kept, layer 1 (d=4) goes.
-        state.policy = Policy::Edgemoe;
-        state.record_demand(dec(3, 2));
+        // edgemoe-fd at layer 1 with equal counts: layer 2 (d=1) is kept, layer 1 (d=4) goes.
+        state.policy = Policy::EdgemoeFd;
+        state.record_demand(dec(3, 2), 1);
         assert_eq!(state.choose_victim(&cands, Some(1)), 1);
+    }
+
+    #[test]
+    fn edgemoe_expects_reuse_from_repeats_shares_and_distance() {
+        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &[]);
+        // Four decoder steps: layer 0 always picks expert 0; layer 1 picks expert 1 once, then
+        // expert 2.
+        for step in 1..=4 {
+            state.record_demand(dec(0, 0), step);
+            state.record_demand(dec(1, if step == 1 { 1 } else { 2 }), step);
+        }
+        // Layer 1 executing. Expert (0,0) was demanded by every pass: it is back when layer 0
+        // comes round, d = 3.
+        assert_eq!(state.expected_reuse(dec(0, 0), Some(1)), 3.0);
+        // (1,1): one use, not in the last pass. After-use passes 1, after-none passes 2, share ¼:
+        // anew = (1 − 0 + ¼) / 3 = 5/12, first = later = anew.
+        let anew: f64 = 1.25 / 3.0;
+        let want = 4.0 + 4.0 * (1.0 - anew) / anew;
+        assert!((state.expected_reuse(dec(1, 1), Some(1)) - want).abs() < 1e-9);
+        // (1,2): used in passes 2–4, recent. after_use = 2, repeats 2, share ¾:
+        // again = (2 + ¾) / 3, anew = (3 − 2 + ¾) / (max(4 − 1 − 2, 0) + 1) = 1.75 / 2.
+        let again: f64 = 2.75 / 3.0;
+        let anew: f64 = 1.75 / 2.0;
+        let later = again.powf(0.25) * anew.powf(0.75);
+        let want = 4.0 + 4.0 * (1.0 - again) / later;
+        assert!((state.expected_reuse(dec(1, 2), Some(1)) - want).abs() < 1e-9);
+        // Never demanded: evicted first.
+        assert_eq!(state.expected_reuse(dec(2, 0), Some(1)), f64::INFINITY);
+        let cands =
+            [(0, dec(0, 0)), (1, dec(1, 1)), (2, dec(1, 2))].map(|(slot, expert)| Candidate {
+                slot,
+                expert,
+                inserted_at: 0,
+                last_used: 0,
+            });
+        assert_eq!(state.choose_victim(&cands, Some(1)), 1);
+    }
+
+    #[test]
+    fn edgemoe_keeps_encoder_experts_the_next_document_needs() {
+        let enc = |layer, expert| ExpertId {
+            stack: Stack::Encoder,
+            layer,
+            expert,
+        };
+        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &[]);
+        // Three documents of 5 decoder steps; every encoder pass picks expert 0 of each layer,
+        // the decoder's layer 3 picks a different expert at every step.
+        let mut step = 0;
+        for _ in 0..3 {
+            for layer in 0..4 {
+                state.record_demand(enc(layer, 0), step);
+            }
+            for t in 0..5u16 {
+                step += 1;
+                for layer in 0..3 {
+                    state.record_demand(dec(layer, 0), step);
+                }
+                state.record_demand(dec(3, t), step);
+            }
+        }
+        // Near the end of the third document (step 5 of 5 expected), the encoder's experts
+        // come back within a few passes; a decoder expert used once in 15 passes does not.
+        let encoder = state.expected_reuse(enc(0, 0), Some(3));
+        let rare = state.expected_reuse(dec(3, 1), Some(3));
+        assert!(encoder < rare, "encoder {encoder} vs rare decoder {rare}");
+        // 5 steps done, as many as the documents so far took: one more step is expected (its 4
+        // decoder MoE layers), then the encoder's first MoE layer.
+        assert_eq!(encoder, 5.0);
     }
 }

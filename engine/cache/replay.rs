@@ -69,6 +69,7 @@ pub fn replay(
     for event in events {
         let ctx = AccessContext {
             current: event.current.map(usize::from),
+            step: event.token,
             pinned: &event.pinned,
         };
         match event.kind {

@@ -12,6 +12,9 @@ use crate::ids::ExpertId;
 pub struct AccessContext<'a> {
     /// Decoder MoE layer executing (`None` while the encoder runs).
     pub current: Option<usize>,
+    /// Decoder forward calls so far (the trace's `token`): with the layer, it tells one pass of
+    /// a layer from the next.
+    pub step: u64,
     /// Experts that must not be evicted now: the one being computed on, those being read.
     pub pinned: &'a [ExpertId],
 }
@@ -78,6 +81,13 @@ impl SlotTable {
         self.slots.get(slot).and_then(|s| s.holds)
     }
 
+    /// Whether a slot is free or can be freed.
+    fn has_room(&self, ctx: &AccessContext<'_>) -> bool {
+        self.slots
+            .iter()
+            .any(|s| s.holds.is_none_or(|e| !ctx.pinned.contains(&e)))
+    }
+
     /// The slot a load would take now, without taking it: a free slot (`None` beside it) or
     /// the policy's victim among the unpinned ones (with the expert it holds); `None` if every
     /// slot is pinned.
@@ -139,14 +149,19 @@ impl SlotTable {
     pub fn demand(&mut self, id: ExpertId, ctx: &AccessContext<'_>) -> Option<Outcome> {
         self.clock += 1;
         if let Some(slot) = self.slot_of(id) {
-            self.policy.record_demand(id);
+            self.policy.record_demand(id, ctx.step);
             let meta = &mut self.slots[slot];
             meta.last_used = self.clock;
             let prefetched = std::mem::take(&mut meta.prefetched_unused);
             return Some(Outcome::Hit { slot, prefetched });
         }
+        if !self.has_room(ctx) {
+            return None;
+        }
+        // Counted before the victim is chosen: the policy then knows where the run is (the
+        // demanded expert is not resident, so its own count changes no candidate's score).
+        self.policy.record_demand(id, ctx.step);
         let (slot, evicted) = self.make_room(ctx)?;
-        self.policy.record_demand(id);
         self.place(slot, id, false);
         Some(Outcome::Miss { slot, evicted })
     }
@@ -199,6 +214,7 @@ mod tests {
 
     const FREE: AccessContext<'static> = AccessContext {
         current: None,
+        step: 0,
         pinned: &[],
     };
 
@@ -224,6 +240,7 @@ mod tests {
         let pinned = [dec(0, 1)];
         let ctx = AccessContext {
             current: None,
+            step: 0,
             pinned: &pinned,
         };
         match t.demand(dec(1, 0), &ctx) {
@@ -235,6 +252,7 @@ mod tests {
         let pinned = [dec(0, 1), dec(1, 0)];
         let ctx = AccessContext {
             current: None,
+            step: 0,
             pinned: &pinned,
         };
         assert_eq!(t.demand(dec(1, 1), &ctx), None);

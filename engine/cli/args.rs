@@ -112,7 +112,7 @@ pub struct CacheArgs {
     /// Bundle of the same model with quantized experts, for io-qexp, q, q+p and q+p+c.
     #[arg(long, value_name = "BUNDLE")]
     quantized: Option<PathBuf>,
-    /// Eviction policy: edgemoe, edgemoe-paper, lru, lfu or fifo (default: the profile's, else
+    /// Eviction policy: edgemoe, edgemoe-fd, edgemoe-paper, lru, lfu or fifo (default: the profile's, else
     /// edgemoe).
     #[arg(long, value_parser = parse_online_policy)]
     policy: Option<Policy>,

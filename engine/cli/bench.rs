@@ -48,9 +48,10 @@ pub struct BenchArgs {
     /// Most tokens generated per document (default: the model's generation config).
     #[arg(long, value_name = "N")]
     max_new_tokens: Option<usize>,
-    /// Memory a run may use beyond its budget inside the cgroup (binary, libtorch, allocator).
-    #[arg(long, value_parser = parse_budget, default_value = "384MiB")]
-    cgroup_overhead: u64,
+    /// Memory a run may use beyond its budget inside the cgroup (binary, libtorch, allocator)
+    /// (default: measured by a probe run without an expert buffer).
+    #[arg(long, value_parser = parse_budget)]
+    cgroup_overhead: Option<u64>,
     /// Do not confine runs to a memory cgroup.
     #[arg(long)]
     no_cgroup: bool,

@@ -385,6 +385,7 @@ impl ExpertBuffer {
             let pinned = self.pinned();
             let ctx = AccessContext {
                 current: self.current,
+                step: self.step,
                 pinned: &pinned,
             };
             match self.table.demand(id, &ctx) {
@@ -563,6 +564,7 @@ impl ExpertBuffer {
         let pinned = self.pinned();
         let ctx = AccessContext {
             current: self.current,
+            step: self.step,
             pinned: &pinned,
         };
         if speculative {
