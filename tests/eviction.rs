@@ -22,6 +22,7 @@ use edgemoe::model::provider::{ExpertProvider, ExpertWeights};
 use edgemoe::model::Model;
 use edgemoe::offline::calibrate::{build_dictionary, paths_of};
 use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
+use edgemoe::runtime::predict::PredictorKind;
 
 /// An expert provider that passes everything to an expert buffer and writes down each demand
 /// with the number of decoder steps begun before it.
@@ -354,6 +355,7 @@ fn no_prefetch(policy: Policy, slots: usize) -> BufferOptions {
         policy,
         prefetch: false,
         prefetch_cap_bytes: 0,
+        predictor: PredictorKind::Dictionary,
     }
 }
 
@@ -449,6 +451,8 @@ fn assert_outputs_invariant(subject: &Subject) {
                     policy,
                     prefetch,
                     prefetch_cap_bytes: u64::MAX / 2,
+                    // Both predictors: the most speculative reads, the strictest invariance.
+                    predictor: PredictorKind::Both,
                 };
                 let mut buffer = subject.buffer(&options, prefetch.then_some(&dictionary));
                 let got: Vec<Vec<i64>> = subject
