@@ -517,7 +517,13 @@ fn bench_smoke_two_modes_with_emulated_storage() {
     let rows: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     let rows = rows.as_array().unwrap();
-    assert_eq!(rows.len(), 3);
+    assert_eq!(
+        rows.len(),
+        3,
+        "a run failed: {}\n{}",
+        std::fs::read_to_string(out.join("results.md")).unwrap_or_default(),
+        stderr(&done)
+    );
     // Where the runs were confined, mmap at 6 experts got what edgemoe holds with 6 slots:
     // less than edgemoe's whole budget, more than the 6 slots alone.
     let limit = |mode: &str| {

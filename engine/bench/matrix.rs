@@ -274,8 +274,14 @@ impl Footprint {
     }
 }
 
+/// Headroom over a probe-measured overhead: two runs of the same binary differ by a few MiB
+/// of allocator arenas and thread stacks, and an `mmap` run held exactly at the probe's peak is
+/// killed by the cgroup instead of measured when its anonymous memory lands above it.
+pub const OVERHEAD_SLACK_BYTES: u64 = 8 << 20;
+
 /// The memory limit of `run`'s cgroup: its budget plus the process overhead, except an `mmap`
-/// run sized in experts, which gets what `edgemoe` holds with that many slots of `slot_bytes`.
+/// run sized in experts, which gets what `edgemoe` holds with that many slots of `slot_bytes`
+/// (plus [`OVERHEAD_SLACK_BYTES`]).
 pub fn cgroup_limit(
     run: &BenchRun,
     budget_bytes: u64,
@@ -288,6 +294,7 @@ pub fn cgroup_limit(
                 + footprint.resident_bytes
                 + footprint.working_bytes
                 + n as u64 * slot_bytes
+                + OVERHEAD_SLACK_BYTES
         }
         _ => budget_bytes + footprint.overhead_bytes,
     }
@@ -614,7 +621,7 @@ mod tests {
         // mmap at 6 experts of 10 bytes: overhead + resident + working + 6 slots.
         assert_eq!(
             cgroup_limit(&run(Mode::Mmap, Some(6)), 5000, &footprint, 10),
-            200 + 1000 + 50 + 60
+            200 + 1000 + 50 + 60 + OVERHEAD_SLACK_BYTES
         );
         // Every other run: its budget plus the overhead.
         assert_eq!(
