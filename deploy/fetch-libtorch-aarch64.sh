@@ -8,8 +8,10 @@
 #     mirror into CACHE/debs, and two stand-in libraries carrying the NVPL sonames that load it
 #     (see fetch_blas): the wheel's own BLAS, NVIDIA's NVPL, needs ARMv8.1 (LSE atomics) and dies
 #     of SIGILL on a Raspberry Pi 4's Cortex-A72;
-#   - CACHE/aarch64/libtorch-cpu: the CPU view of it that the build links against and the
-#     package ships (see make_cpu_view), with that OpenBLAS in place of NVPL.
+#   - CACHE/aarch64/libtorch-cpu: the CPU view of it that the build links against (see
+#     make_cpu_view);
+#   - CACHE/aarch64/libtorch-run/lib: the libraries that run and that the package ships, with
+#     that OpenBLAS in place of NVPL (see make_run_libs).
 # Every step is skipped when its result is already there.
 #
 #   deploy/fetch-libtorch-aarch64.sh [CACHE]   CACHE defaults to deploy/.cache (ignored by git);
@@ -97,7 +99,7 @@ fetch_blas() {
   local python="${PYTHON:-python3}"
   local deb_dir="$cache/debs" blas="$cache/aarch64/blas" entry path sum deb root so
   local stamp="$blas/.made" want
-  want="$(printf '%s\n' "${blas_debs[@]}" "stand-ins 1")"
+  want="$(printf '%s\n' "${blas_debs[@]}" "stand-ins 2")"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     echo "$blas"
     return 0
@@ -139,14 +141,17 @@ PY
     echo "lib/libnvpl_blas_lp64_gomp.so.0 and lib/libnvpl_lapack_lp64_gomp.so.0 hold no code of"
     echo "NVIDIA's: they carry those names so that libtorch_cpu.so loads OpenBLAS in their place."
   } >"$blas/licenses/README"
+  # An empty constructor, so that the loader reports the stand-ins' initialization as it does
+  # every other library's (`LD_DEBUG=files`: .ci/cross checks the libraries loaded with it).
+  echo 'static void __attribute__((constructor)) stand_in_loaded(void) {}' >"$blas/stand-in.c"
   for so in "${nvpl_fronts[@]}"; do
     # The version node: libtorch_cpu.so's references to these libraries are versioned with it.
     printf '%s { local: *; };\n' "$so" >"$blas/$so.map"
-    aarch64-linux-gnu-gcc -shared -nostdlib -s -o "$blas/lib/$so" -x c /dev/null \
+    aarch64-linux-gnu-gcc -shared -fPIC -nostdlib -s -o "$blas/lib/$so" "$blas/stand-in.c" \
       -Wl,-soname,"$so" -Wl,--version-script,"$blas/$so.map" -Wl,--no-as-needed \
       -L"$blas/lib" -l:libopenblas.so.0
   done
-  rm -rf "$root" "$blas"/*.map
+  rm -rf "$root" "$blas"/*.map "$blas/stand-in.c"
   printf '%s\n' "$want" >"$stamp"
   echo "$blas"
 }
@@ -191,14 +196,39 @@ check_blas_symbols() {
 # defines it too). Here a linker script stands in for it, naming libtorch_cpu.so as a CPU
 # libtorch.so would. The binary then needs libtorch_cpu.so and libc10.so (and the system's
 # libraries), as the x86_64 build does.
-# NVPL is replaced: BLAS's directory (fetch_blas) is searched first, so libtorch_cpu.so's two
-# NVPL libraries are the stand-ins, which bring libopenblas.so.0 and libgfortran.so.5, and the
-# wheel's NVPL libraries are left out.
-make_cpu_view() { # make_cpu_view SITE BLAS VIEW
-  local site="$1" blas="$2" view="$3" lib closure
-  check_blas_symbols "$site/torch/lib/libtorch_cpu.so" "$site/torch/lib" "$blas/lib/libopenblas.so.0"
+make_cpu_view() { # make_cpu_view SITE VIEW
+  local site="$1" view="$2" lib closure
   mkdir -p "$view/lib"
   ln -sfn ../site/torch/include "$view/include"
+  closure="$(
+    for lib in libtorch_cpu.so libc10.so; do
+      echo "$site/torch/lib/$lib"
+      needed_closure "$site/torch/lib/$lib" "$site/torch/lib" "$site/nvidia/cu13/lib"
+    done | sort -u
+  )"
+  while read -r lib; do
+    ln -f "$lib" "$view/lib/" 2>/dev/null || cp "$lib" "$view/lib/"
+  done <<<"$closure"
+  cat >"$view/lib/libtorch.so" <<'EOF'
+/* Link-time stand-in for the CUDA wheel's libtorch.so (see deploy/fetch-libtorch-aarch64.sh). */
+INPUT(AS_NEEDED(libtorch_cpu.so))
+EOF
+  # torch-sys checks this file against the version tch expects.
+  echo "$torch_version" >"$view/build-version"
+}
+
+# What runs, and what the package ships: RUN/lib, hard links to libtorch_cpu.so, libc10.so and
+# every library they load, as in the view, but with BLAS's directory (fetch_blas) searched first:
+# libtorch_cpu.so's two NVPL libraries are then the stand-ins, which bring libopenblas.so.0 and
+# libgfortran.so.5, and NVPL's four libraries are left out. The build still links against the
+# view, with NVPL: the linker checks libtorch_cpu.so's references to NVPL's versioned symbols,
+# which OpenBLAS (unversioned) does not satisfy at link time; the loader binds them to it at run
+# time, as a versioned reference may bind to an unversioned definition. The binary itself needs
+# libtorch_cpu.so and libc10.so only, so it is the same either way.
+make_run_libs() { # make_run_libs SITE BLAS RUN
+  local site="$1" blas="$2" run="$3" lib closure
+  check_blas_symbols "$site/torch/lib/libtorch_cpu.so" "$site/torch/lib" "$blas/lib/libopenblas.so.0"
+  mkdir -p "$run/lib"
   closure="$(
     for lib in libtorch_cpu.so libc10.so; do
       echo "$site/torch/lib/$lib"
@@ -210,14 +240,8 @@ make_cpu_view() { # make_cpu_view SITE BLAS VIEW
     return 1
   fi
   while read -r lib; do
-    ln -f "$lib" "$view/lib/" 2>/dev/null || cp "$lib" "$view/lib/"
+    ln -f "$lib" "$run/lib/" 2>/dev/null || cp "$lib" "$run/lib/"
   done <<<"$closure"
-  cat >"$view/lib/libtorch.so" <<'EOF'
-/* Link-time stand-in for the CUDA wheel's libtorch.so (see deploy/fetch-libtorch-aarch64.sh). */
-INPUT(AS_NEEDED(libtorch_cpu.so))
-EOF
-  # torch-sys checks this file against the version tch expects.
-  echo "$torch_version" >"$view/build-version"
 }
 
 # fetch_libtorch CACHE: does it all; prints the LIBTORCH directory.
@@ -249,11 +273,9 @@ fetch_libtorch() {
     wheels+=("$w")
   done
 
-  local blas
-  blas="$(fetch_blas "$cache")"
   local stamp="$cache/aarch64/.unpacked" want
-  want="$(printf '%s\n' "${wheels[@]##*/}" "$(cat "$blas/.made")")"
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -e "$view/lib/libtorch_cpu.so" ]; then
+  want="$(printf '%s\n' "${wheels[@]##*/}")"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -e "$site/torch/lib/libtorch_cpu.so" ]; then
     echo "unpacking libtorch for aarch64 into $cache/aarch64" >&2
     rm -rf "$site" "$view" "$stamp"
     mkdir -p "$site"
@@ -272,8 +294,20 @@ for wheel in wheels:
             if mode:
                 os.chmod(path, mode | stat.S_IRUSR)
 PY
-    make_cpu_view "$site" "$blas" "$view"
     printf '%s\n' "$want" >"$stamp"
+  fi
+
+  [ -e "$view/lib/libtorch_cpu.so" ] || make_cpu_view "$site" "$view"
+
+  # The libraries that run: remade when the wheels or the BLAS change.
+  local blas run="$cache/aarch64/libtorch-run" run_stamp="$cache/aarch64/libtorch-run/.made"
+  blas="$(fetch_blas "$cache")"
+  want="$(printf '%s\n' "$want" "$(cat "$blas/.made")")"
+  if [ ! -f "$run_stamp" ] || [ "$(cat "$run_stamp")" != "$want" ] || [ ! -e "$run/lib/libtorch_cpu.so" ]; then
+    echo "gathering the aarch64 libraries that run (OpenBLAS for NVPL) into $run" >&2
+    rm -rf "$run"
+    make_run_libs "$site" "$blas" "$run"
+    printf '%s\n' "$want" >"$run_stamp"
   fi
   echo "$view"
 }
@@ -298,7 +332,7 @@ main() {
       prepare_cross_image
       cache=/opt/edgemoe
       fetch_libtorch "$cache"
-      rm -rf "$cache/wheels" # keep the image small
+      rm -rf "$cache/wheels" "$cache/debs" # keep the image small
       ;;
     "") fetch_libtorch "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/.cache" ;;
     *) fetch_libtorch "$1" ;;
