@@ -49,9 +49,10 @@ export_env() {
   export AR_aarch64_unknown_linux_gnu=aarch64-linux-gnu-ar
   export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
   # `cargo test`/`cargo run` for the target go through qemu; the test binaries sit in deps/, not
-  # beside a lib/ directory, so the runner hands libtorch's directory to the emulated loader.
+  # beside a lib/ directory, so the runner hands the directory of the libraries that run (those
+  # the package ships: OpenBLAS, not the view's NVPL) to the emulated loader.
   export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="$root/deploy/qemu-aarch64.sh"
-  export EDGEMOE_AARCH64_LIBS="$libtorch/lib"
+  export EDGEMOE_AARCH64_LIBS="$libtorch_run_lib"
   # shellcheck disable=SC2016  # a literal $ORIGIN, for the dynamic loader
   export EDGEMOE_RPATH='$ORIGIN/lib'
   export CARGO_TARGET_DIR="$aarch64_target_dir"
@@ -97,6 +98,6 @@ cargo "$sub" --target "$target" "$@"
 
 if [ "$sub" = build ] && [ -x "$aarch64_bin" ]; then
   # Fails if the binary needs a library that neither the wheels nor the system provide.
-  needed_closure "$aarch64_bin" "$libtorch/lib" >/dev/null
+  needed_closure "$aarch64_bin" "$libtorch_run_lib" >/dev/null
   say "built $aarch64_bin"
 fi

@@ -14,6 +14,9 @@ cache="$root/deploy/.cache"
 # fetch-libtorch-aarch64.sh makes. Its lib/ holds libtorch_cpu.so, libc10.so and every library
 # they load, and nothing else (but a linker-script stand-in for libtorch.so).
 libtorch="$cache/aarch64/libtorch-cpu"
+# What runs and is shipped: the same libraries with Debian's OpenBLAS (ARMv8.0) and two stand-ins
+# for the wheel's NVPL BLAS (ARMv8.1+), which the view keeps for the linker (make_run_libs).
+libtorch_run_lib="$cache/aarch64/libtorch-run/lib"
 aarch64_target_dir="${EDGEMOE_AARCH64_TARGET_DIR:-$root/target/aarch64}"
 aarch64_bin="$aarch64_target_dir/$target/release/edgemoe"
 

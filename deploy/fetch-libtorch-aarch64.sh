@@ -4,8 +4,14 @@
 #     and the CUDA runtime wheels its libtorch_cpu.so needs to link and to load, downloaded with
 #     `pip download` into CACHE/wheels;
 #   - unpacked into CACHE/aarch64/site (torch/ beside nvidia/, as in site-packages);
+#   - Debian 12's arm64 OpenBLAS (OpenMP build) and libgfortran, downloaded from the Debian
+#     mirror into CACHE/debs, and two stand-in libraries carrying the NVPL sonames that load it
+#     (see fetch_blas): the wheel's own BLAS, NVIDIA's NVPL, needs ARMv8.1 (LSE atomics) and dies
+#     of SIGILL on a Raspberry Pi 4's Cortex-A72;
 #   - CACHE/aarch64/libtorch-cpu: the CPU view of it that the build links against (see
-#     make_cpu_view).
+#     make_cpu_view);
+#   - CACHE/aarch64/libtorch-run/lib: the libraries that run and that the package ships, with
+#     that OpenBLAS in place of NVPL (see make_run_libs).
 # Every step is skipped when its result is already there.
 #
 #   deploy/fetch-libtorch-aarch64.sh [CACHE]   CACHE defaults to deploy/.cache (ignored by git);
@@ -14,7 +20,8 @@
 #                                              runs it as root while building the image: CACHE is
 #                                              /opt/edgemoe, and Python's pip is installed first
 # deploy/common.sh sources it for the versions and needed_closure. It needs python3 with pip,
-# readelf, and the aarch64 sysroot of a cross toolchain (/usr/aarch64-linux-gnu).
+# readelf, dpkg-deb, the aarch64 cross compiler (aarch64-linux-gnu-gcc) and its sysroot
+# (/usr/aarch64-linux-gnu).
 set -euo pipefail
 
 # tch 0.26 links exactly PyTorch 2.13.0.
@@ -24,6 +31,24 @@ torch_version=2.13.0
 # are the versions torch 2.13.0 asks for (`cuda-toolkit[cudart,cupti]==13.0.3`).
 cuda_wheels=(nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85)
 sysroot="${EDGEMOE_AARCH64_SYSROOT:-/usr/aarch64-linux-gnu}"
+
+# The BLAS shipped instead of the wheel's NVPL: Debian 12 (bookworm) arm64 packages, from the
+# Debian mirror's pool, pinned by version and SHA-256. OpenBLAS 0.3.21 is built for the ARMv8.0
+# baseline and picks its kernels at run time (DYNAMIC_ARCH), so it runs on a Cortex-A53, A57 and
+# A72 as on an A76. Its OpenMP build (not the pthread one) because it sizes its threads from
+# OpenMP's setting, which the engine sets to 1 on every thread (tch::set_num_threads), as the
+# wheel's NVPL (its `gomp` build) did; the pthread build starts its own pool of one thread per
+# core whatever libtorch says. libgomp.so.1 is the wheel's, already shipped. gcc-12-base carries
+# libgfortran's copyright file (libgfortran5's doc directory is a link to it).
+debian_mirror="${EDGEMOE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+blas_debs=(
+  "pool/main/o/openblas/libopenblas0-openmp_0.3.21+ds-4_arm64.deb 202482205beaebdc03f31a41351939add2ddac5b45c3e807a9fb0c978136985f"
+  "pool/main/g/gcc-12/libgfortran5_12.2.0-14+deb12u1_arm64.deb 583497cf5a95960c11f2006586050375c4adbc4b0c569a7e7df346f2bf380cbc"
+  "pool/main/g/gcc-12/gcc-12-base_12.2.0-14+deb12u1_arm64.deb 674cf6cba6d432bd200c45fe866c1652c7a53523cc2e7a613e05bc4abf7b5440"
+)
+# The NVPL libraries libtorch_cpu.so loads, which the stand-ins replace; they load
+# libnvpl_blas_core.so.0 and libnvpl_lapack_core.so.0, which then are not shipped either.
+nvpl_fronts=(libnvpl_blas_lp64_gomp.so.0 libnvpl_lapack_lp64_gomp.so.0)
 
 # needed_closure FILE DIR...: prints, one per line, the absolute paths of the shared libraries
 # that FILE loads from the DIRs, searched in order, following DT_NEEDED recursively. Libraries
@@ -57,6 +82,105 @@ needed_closure() {
       fi
     done < <(readelf -d "$file" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
   done
+}
+
+# fetch_blas CACHE: downloads the .debs of blas_debs (checked against their SHA-256) into
+# CACHE/debs, unpacks them, and makes CACHE/aarch64/blas:
+#   lib/libopenblas.so.0, lib/libgfortran.so.5   Debian's files, unchanged
+#   lib/libnvpl_*_lp64_gomp.so.0                 stand-ins: no code, the NVPL soname and version
+#                                                node libtorch_cpu.so asks for, and a DT_NEEDED
+#                                                on libopenblas.so.0, which defines every BLAS,
+#                                                CBLAS and LAPACK function libtorch_cpu.so takes
+#                                                from NVPL (checked by check_blas_symbols)
+#   licenses/                                    the packages' copyright files
+# Prints that directory. Skipped when it is already there for these packages.
+fetch_blas() {
+  local cache="$1"
+  local python="${PYTHON:-python3}"
+  local deb_dir="$cache/debs" blas="$cache/aarch64/blas" entry path sum deb root so
+  local stamp="$blas/.made" want
+  want="$(printf '%s\n' "${blas_debs[@]}" "stand-ins 2")"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "$blas"
+    return 0
+  fi
+  command -v dpkg-deb >/dev/null 2>&1 || { echo "error: dpkg-deb is missing (package dpkg)" >&2; return 1; }
+  command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 ||
+    { echo "error: aarch64-linux-gnu-gcc is missing (package gcc-aarch64-linux-gnu)" >&2; return 1; }
+  mkdir -p "$deb_dir"
+  rm -rf "$blas"
+  root="$blas/root"
+  mkdir -p "$root" "$blas/lib" "$blas/licenses"
+  for entry in "${blas_debs[@]}"; do
+    path="${entry% *}"
+    sum="${entry##* }"
+    deb="$deb_dir/${path##*/}"
+    if [ ! -f "$deb" ] || [ "$(sha256sum "$deb" | cut -d' ' -f1)" != "$sum" ]; then
+      echo "downloading $debian_mirror/$path" >&2
+      "$python" - "$debian_mirror/$path" "$deb.part" <<'PY'
+import shutil, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=120) as r, open(sys.argv[2], "wb") as f:
+    shutil.copyfileobj(r, f)
+PY
+      [ "$(sha256sum "$deb.part" | cut -d' ' -f1)" = "$sum" ] ||
+        { echo "error: ${path##*/}: SHA-256 differs from the pinned one" >&2; return 1; }
+      mv "$deb.part" "$deb"
+    fi
+    dpkg-deb -x "$deb" "$root"
+  done
+  cp -L "$root/usr/lib/aarch64-linux-gnu/openblas-openmp/libopenblas.so.0" "$blas/lib/"
+  cp -L "$root/usr/lib/aarch64-linux-gnu/libgfortran.so.5" "$blas/lib/"
+  cp "$root/usr/share/doc/libopenblas0-openmp/copyright" "$blas/licenses/libopenblas.so.0.copyright"
+  cp "$root/usr/share/doc/gcc-12-base/copyright" "$blas/licenses/libgfortran.so.5.copyright"
+  {
+    echo "lib/libopenblas.so.0 and lib/libgfortran.so.5 are Debian 12's arm64 files, unchanged,"
+    echo "from these packages ($debian_mirror):"
+    for entry in "${blas_debs[@]}"; do echo "  ${entry% *}  sha256 ${entry##* }"; done
+    echo "Their licences: libopenblas.so.0.copyright (OpenBLAS: BSD-3-Clause), libgfortran.so.5.copyright"
+    echo "(GCC's runtime library: GPL-3.0 with the GCC Runtime Library Exception). The files"
+    echo "lib/libnvpl_blas_lp64_gomp.so.0 and lib/libnvpl_lapack_lp64_gomp.so.0 hold no code of"
+    echo "NVIDIA's: they carry those names so that libtorch_cpu.so loads OpenBLAS in their place."
+  } >"$blas/licenses/README"
+  # An empty constructor, so that the loader reports the stand-ins' initialization as it does
+  # every other library's (`LD_DEBUG=files`: .ci/cross checks the libraries loaded with it).
+  echo 'static void __attribute__((constructor)) stand_in_loaded(void) {}' >"$blas/stand-in.c"
+  for so in "${nvpl_fronts[@]}"; do
+    # The version node: libtorch_cpu.so's references to these libraries are versioned with it.
+    printf '%s { local: *; };\n' "$so" >"$blas/$so.map"
+    aarch64-linux-gnu-gcc -shared -fPIC -nostdlib -s -o "$blas/lib/$so" "$blas/stand-in.c" \
+      -Wl,-soname,"$so" -Wl,--version-script,"$blas/$so.map" -Wl,--no-as-needed \
+      -L"$blas/lib" -l:libopenblas.so.0
+  done
+  rm -rf "$root" "$blas"/*.map "$blas/stand-in.c"
+  printf '%s\n' "$want" >"$stamp"
+  echo "$blas"
+}
+
+# check_blas_symbols LIBTORCH_CPU NVPL_DIR OPENBLAS: every function LIBTORCH_CPU imports that the
+# NVPL front libraries in NVPL_DIR define must be defined by OPENBLAS, and none may be NVPL's own
+# (nvpl_*). Prints how many there are.
+check_blas_symbols() {
+  local torch="$1" nvpl_dir="$2" openblas="$3" so
+  local undefined provided needed missing
+  # Symbol lines: NUM: VALUE SIZE TYPE BIND VIS [FLAGS] NDX NAME[@VERSION] [(N)].
+  dynsyms() { readelf --dyn-syms -W "$1" | awk -v want="$2" '$1 ~ /^[0-9]+:$/ && NF >= 8 {
+    n = NF; if ($n ~ /^\([0-9]+\)$/) n--
+    if ((want == "und") != ($(n - 1) == "UND")) next
+    name = $n; sub(/@.*/, "", name); print name }' | LC_ALL=C sort -u; }
+  undefined="$(dynsyms "$torch" und)"
+  provided="$(for so in "${nvpl_fronts[@]}"; do dynsyms "$nvpl_dir/$so" def; done | LC_ALL=C sort -u)"
+  needed="$(LC_ALL=C comm -12 <(echo "$undefined") <(echo "$provided"))"
+  [ -n "$needed" ] || { echo "error: libtorch_cpu.so takes no function from NVPL?" >&2; return 1; }
+  if grep -q '^nvpl_' <<<"$needed"; then
+    echo "error: libtorch_cpu.so calls NVPL's own functions: $(grep '^nvpl_' <<<"$needed" | tr '\n' ' ')" >&2
+    return 1
+  fi
+  missing="$(LC_ALL=C comm -23 <(echo "$needed") <(dynsyms "$openblas" def))"
+  if [ -n "$missing" ]; then
+    echo "error: OpenBLAS lacks what libtorch_cpu.so takes from NVPL: $(echo "$missing" | tr '\n' ' ')" >&2
+    return 1
+  fi
+  echo "$(wc -l <<<"$needed") BLAS/LAPACK functions that libtorch_cpu.so takes from NVPL, all in OpenBLAS" >&2
 }
 
 # The wheel is a CUDA build, and linking against its lib/ as it is fails: torch-sys links
@@ -93,6 +217,33 @@ EOF
   echo "$torch_version" >"$view/build-version"
 }
 
+# What runs, and what the package ships: RUN/lib, hard links to libtorch_cpu.so, libc10.so and
+# every library they load, as in the view, but with BLAS's directory (fetch_blas) searched first:
+# libtorch_cpu.so's two NVPL libraries are then the stand-ins, which bring libopenblas.so.0 and
+# libgfortran.so.5, and NVPL's four libraries are left out. The build still links against the
+# view, with NVPL: the linker checks libtorch_cpu.so's references to NVPL's versioned symbols,
+# which OpenBLAS (unversioned) does not satisfy at link time; the loader binds them to it at run
+# time, as a versioned reference may bind to an unversioned definition. The binary itself needs
+# libtorch_cpu.so and libc10.so only, so it is the same either way.
+make_run_libs() { # make_run_libs SITE BLAS RUN
+  local site="$1" blas="$2" run="$3" lib closure
+  check_blas_symbols "$site/torch/lib/libtorch_cpu.so" "$site/torch/lib" "$blas/lib/libopenblas.so.0"
+  mkdir -p "$run/lib"
+  closure="$(
+    for lib in libtorch_cpu.so libc10.so; do
+      echo "$site/torch/lib/$lib"
+      needed_closure "$site/torch/lib/$lib" "$blas/lib" "$site/torch/lib" "$site/nvidia/cu13/lib"
+    done | sort -u
+  )"
+  if grep -q 'libnvpl_.*_core' <<<"$closure"; then
+    echo "error: NVPL is still loaded: $(grep libnvpl_ <<<"$closure" | tr '\n' ' ')" >&2
+    return 1
+  fi
+  while read -r lib; do
+    ln -f "$lib" "$run/lib/" 2>/dev/null || cp "$lib" "$run/lib/"
+  done <<<"$closure"
+}
+
 # fetch_libtorch CACHE: does it all; prints the LIBTORCH directory.
 fetch_libtorch() {
   local cache="$1"
@@ -124,7 +275,7 @@ fetch_libtorch() {
 
   local stamp="$cache/aarch64/.unpacked" want
   want="$(printf '%s\n' "${wheels[@]##*/}")"
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -e "$view/lib/libtorch_cpu.so" ]; then
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -e "$site/torch/lib/libtorch_cpu.so" ]; then
     echo "unpacking libtorch for aarch64 into $cache/aarch64" >&2
     rm -rf "$site" "$view" "$stamp"
     mkdir -p "$site"
@@ -143,8 +294,20 @@ for wheel in wheels:
             if mode:
                 os.chmod(path, mode | stat.S_IRUSR)
 PY
-    make_cpu_view "$site" "$view"
     printf '%s\n' "$want" >"$stamp"
+  fi
+
+  [ -e "$view/lib/libtorch_cpu.so" ] || make_cpu_view "$site" "$view"
+
+  # The libraries that run: remade when the wheels or the BLAS change.
+  local blas run="$cache/aarch64/libtorch-run" run_stamp="$cache/aarch64/libtorch-run/.made"
+  blas="$(fetch_blas "$cache")"
+  want="$(printf '%s\n' "$want" "$(cat "$blas/.made")")"
+  if [ ! -f "$run_stamp" ] || [ "$(cat "$run_stamp")" != "$want" ] || [ ! -e "$run/lib/libtorch_cpu.so" ]; then
+    echo "gathering the aarch64 libraries that run (OpenBLAS for NVPL) into $run" >&2
+    rm -rf "$run"
+    make_run_libs "$site" "$blas" "$run"
+    printf '%s\n' "$want" >"$run_stamp"
   fi
   echo "$view"
 }
@@ -169,7 +332,7 @@ main() {
       prepare_cross_image
       cache=/opt/edgemoe
       fetch_libtorch "$cache"
-      rm -rf "$cache/wheels" # keep the image small
+      rm -rf "$cache/wheels" "$cache/debs" # keep the image small
       ;;
     "") fetch_libtorch "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/.cache" ;;
     *) fetch_libtorch "$1" ;;

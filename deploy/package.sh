@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Packages the aarch64 build for a board: a tarball whose top directory holds
 #   edgemoe          the binary (stripped), rpath $ORIGIN/lib
-#   lib/             exactly the libtorch libraries it loads (followed through DT_NEEDED from the
-#                    binary, taken from the unpacked wheels); nothing else of libtorch
+#   lib/             exactly the libraries it loads (followed through DT_NEEDED from the binary):
+#                    libtorch's from the unpacked wheels, nothing else of libtorch, and in place
+#                    of the wheel's NVPL BLAS (ARMv8.1+ only) Debian's OpenBLAS behind two
+#                    stand-ins (deploy/fetch-libtorch-aarch64.sh, fetch_blas)
+#   licenses/        the licences of the OpenBLAS and libgfortran shipped in lib/
 #   edgemoe.service  the systemd unit that deploy/install.sh installs
 #   profiles/        profiles/*.toml of the repository, when there are any
 #   bundles/NAME/    a converted model bundle, with --bundle
@@ -54,11 +57,13 @@ install -m 755 "$aarch64_bin" "$stage/edgemoe"
 if command -v aarch64-linux-gnu-strip >/dev/null 2>&1; then
   aarch64-linux-gnu-strip "$stage/edgemoe"
 fi
-closure="$(needed_closure "$stage/edgemoe" "$libtorch/lib")"
+closure="$(needed_closure "$stage/edgemoe" "$libtorch_run_lib")"
 while read -r lib; do
   cp -L "$lib" "$stage/lib/"
 done <<<"$closure"
 install -m 644 "$root/deploy/edgemoe.service" "$stage/edgemoe.service"
+mkdir -p "$stage/licenses"
+cp "$(fetch_blas "$cache")"/licenses/* "$stage/licenses/"
 
 shopt -s nullglob
 profiles=("$root"/profiles/*.toml)

@@ -7,9 +7,11 @@
 #
 # EDGEMOE_AARCH64_LIBS  directories (:-separated) the emulated loader searches first
 #                       (LD_LIBRARY_PATH inside the emulation), e.g. libtorch for test binaries
-# EDGEMOE_QEMU_CPU      CPU model: cortex-a76 (default; a Raspberry Pi 5's core), neoverse-n1, max.
-#                       Not cortex-a72 (a Raspberry Pi 4's): the PyPI libtorch's NVPL BLAS uses
-#                       ARMv8.1 atomics (LSE), which that core lacks; it dies of SIGILL.
+# EDGEMOE_QEMU_CPU      CPU model: cortex-a76 (default; a Raspberry Pi 5's core), cortex-a72
+#                       (a Raspberry Pi 4's), cortex-a57 (Jetson TX1/TX2/Nano), cortex-a53
+#                       (Raspberry Pi 3), neoverse-n1, max. The package runs on all of them: it
+#                       ships OpenBLAS for ARMv8.0, not the wheel's NVPL (ARMv8.1 atomics, SIGILL
+#                       on the ARMv8.0 cores).
 #
 # libtorch reads the CPU's description from /proc/cpuinfo (pytorch's cpuinfo library), and the
 # one qemu 7.2 leaves visible is the host's x86_64 one, on which it crashes. So the program runs
@@ -25,14 +27,20 @@ if [ -n "${EDGEMOE_AARCH64_LIBS:-}" ]; then
   args+=(-E "LD_LIBRARY_PATH=$EDGEMOE_AARCH64_LIBS")
 fi
 
-# What a board with this core shows in /proc/cpuinfo (the fields cpuinfo parses).
+# What a board with this core shows in /proc/cpuinfo (the fields cpuinfo parses): MIDR's variant,
+# part and revision, and the kernel's hwcaps. The Raspberry Pis' BCM2711 (A72) and BCM2837 (A53)
+# lack the crypto extension; the A57 is a Jetson's (Tegra X1/X2). ARMv8.0 cores have no `atomics`.
 case "$cpu" in
+  cortex-a53) variant=0x0 part=0xd03 revision=4 features="fp asimd evtstrm crc32 cpuid" ;;
+  cortex-a57) variant=0x1 part=0xd07 revision=1 features="fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid" ;;
   cortex-a72) variant=0x0 part=0xd08 revision=3 features="fp asimd evtstrm crc32 cpuid" ;;
   cortex-a76) variant=0x4 part=0xd0b revision=1 features="fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp" ;;
-  *) variant=0x3 part=0xd0c revision=1 features="fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs" ;;
+  neoverse-n1 | max) variant=0x3 part=0xd0c revision=1 features="fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs" ;;
+  *) echo "qemu-aarch64.sh: no /proc/cpuinfo description for the CPU model $cpu" \
+    "(cortex-a53, cortex-a57, cortex-a72, cortex-a76, neoverse-n1, max)" >&2; exit 2 ;;
 esac
 ncpu="$(nproc --all)"
-cpuinfo="${TMPDIR:-/tmp}/edgemoe-qemu-cpuinfo.$cpu.$ncpu.$(id -u)"
+cpuinfo="${TMPDIR:-/tmp}/edgemoe-qemu-cpuinfo2.$cpu.$ncpu.$(id -u)"
 if [ ! -s "$cpuinfo" ]; then
   for ((i = 0; i < ncpu; i++)); do
     printf 'processor\t: %d\nBogoMIPS\t: 108.00\nFeatures\t: %s\nCPU implementer\t: 0x41\n' "$i" "$features"

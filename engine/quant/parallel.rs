@@ -24,6 +24,11 @@ fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .thread_name(|i| format!("edgemoe-compute-{i}"))
+                // libtorch's thread count (OpenMP's, which its BLAS follows: the aarch64
+                // package's OpenBLAS, x86_64's MKL) is per thread: set on the main thread only,
+                // a GEMM tile run here would start a BLAS team of one thread per core, on top of
+                // this pool's threads.
+                .start_handler(|_| tch::set_num_threads(1))
                 .build()
                 .ok()
         })
