@@ -21,39 +21,6 @@ use edgemoe::offline::calibrate::{calibrate, CalibrateOptions};
 use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
 use edgemoe::runtime::predict::{PredictorKind, PredictorLayerStats};
 
-/// Rewrites the safetensors file `weights`, letting `edit` change any tensor's bytes (given its
-/// name and dtype); returns how many it changed.
-fn edit_tensors(
-    weights: &Path,
-    edit: &dyn Fn(&str, safetensors::Dtype, &mut [u8]) -> bool,
-) -> usize {
-    let bytes = std::fs::read(weights).unwrap();
-    let all = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut changed = 0;
-    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = all
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| {
-            let mut data = t.data().to_vec();
-            if edit(&n, t.dtype(), &mut data) {
-                changed += 1;
-            }
-            (n, t.dtype(), t.shape().to_vec(), data)
-        })
-        .collect();
-    let views: Vec<_> = owned
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    std::fs::write(weights, safetensors::serialize(views, None).unwrap()).unwrap();
-    changed
-}
-
 /// The gate's scores at decoder block `block` after running every golden prompt of the
 /// `tiny-mixtral` checkpoint at `hf` through an expert buffer that prefetches by `predictor`.
 fn gate_scores(hf: &Path, predictor: PredictorKind) -> (Vec<Vec<i64>>, PredictorLayerStats) {
@@ -109,27 +76,28 @@ fn the_gate_predicts_exactly_when_the_hidden_state_does_not_change_between_moe_l
     let hf = common::checkpoint::copy_dir(&common::fixture("tiny-mixtral"), dir.path());
     // Layer 1's norm gets weights unlike layer 0's (both are ones in the fixture), so that the
     // lookahead must use the next layer's norm, not the current one's.
-    let changed = edit_tensors(&hf.join("model.safetensors"), &|name, dtype, data| {
-        let zero = (name.starts_with("model.layers.0.block_sparse_moe.experts.")
-            && name.ends_with(".w2.weight"))
-            || name == "model.layers.1.self_attn.o_proj.weight";
-        if zero {
-            data.fill(0);
-        } else if name == "model.layers.1.post_attention_layernorm.weight" {
-            assert_eq!(dtype, safetensors::Dtype::BF16);
-            for (i, x) in data.chunks_mut(2).enumerate() {
-                // bf16 4.0 and 0.25
-                x.copy_from_slice(if i % 3 == 0 {
-                    &[0x80, 0x40]
-                } else {
-                    &[0x80, 0x3e]
-                });
+    let changed =
+        common::checkpoint::edit_tensors(&hf.join("model.safetensors"), &|name, dtype, data| {
+            let zero = (name.starts_with("model.layers.0.block_sparse_moe.experts.")
+                && name.ends_with(".w2.weight"))
+                || name == "model.layers.1.self_attn.o_proj.weight";
+            if zero {
+                data.fill(0);
+            } else if name == "model.layers.1.post_attention_layernorm.weight" {
+                assert_eq!(dtype, safetensors::Dtype::BF16);
+                for (i, x) in data.chunks_mut(2).enumerate() {
+                    // bf16 4.0 and 0.25
+                    x.copy_from_slice(if i % 3 == 0 {
+                        &[0x80, 0x40]
+                    } else {
+                        &[0x80, 0x3e]
+                    });
+                }
+            } else {
+                return false;
             }
-        } else {
-            return false;
-        }
-        true
-    });
+            true
+        });
     assert_eq!(changed, 8 + 1 + 1);
     let (outputs, exact) = gate_scores(&hf, PredictorKind::Gate);
     assert!(exact.calls > 0 && exact.chosen > 0, "{exact:?}");
@@ -171,7 +139,7 @@ fn the_switch_gate_predicts_every_token_exactly_across_a_dense_block_that_change
     for shard in std::fs::read_dir(&hf).unwrap() {
         let shard = shard.unwrap().path();
         if shard.extension().is_some_and(|e| e == "safetensors") {
-            changed += edit_tensors(&shard, &|name, dtype, data| {
+            changed += common::checkpoint::edit_tensors(&shard, &|name, dtype, data| {
                 let zero = (name.starts_with("encoder.block.1.layer.1.mlp.experts.")
                     && name.ends_with(".wo.weight"))
                     || name == "encoder.block.2.layer.0.SelfAttention.o.weight"

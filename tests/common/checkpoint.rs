@@ -63,24 +63,42 @@ pub fn assert_mentions(message: &str, needles: &[&str]) {
 
 /// Rewrites the safetensors file `weights` with element 0 of tensor `name` set to NaN.
 pub fn poison_tensor(weights: &Path, name: &str) {
+    let changed = edit_tensors(weights, &|n, dtype, data| {
+        if n != name {
+            return false;
+        }
+        let nan: &[u8] = match dtype {
+            safetensors::Dtype::F32 => &f32::NAN.to_le_bytes(),
+            safetensors::Dtype::F16 => &[0x00, 0x7e],
+            safetensors::Dtype::BF16 => &[0xc0, 0x7f],
+            other => panic!("{name}: dtype {other:?}"),
+        };
+        data[..nan.len()].copy_from_slice(nan);
+        true
+    });
+    assert_eq!(changed, 1, "{name} is not in {}", weights.display());
+}
+
+/// Rewrites the safetensors file `weights`, letting `edit` change any tensor's bytes (given its
+/// name and dtype); returns how many it changed.
+pub fn edit_tensors(
+    weights: &Path,
+    edit: &dyn Fn(&str, safetensors::Dtype, &mut [u8]) -> bool,
+) -> usize {
     let bytes = std::fs::read(weights).unwrap();
     let all = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = all
+    let mut changed = 0;
+    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = all
         .tensors()
         .into_iter()
-        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .map(|(n, t)| {
+            let mut data = t.data().to_vec();
+            if edit(&n, t.dtype(), &mut data) {
+                changed += 1;
+            }
+            (n, t.dtype(), t.shape().to_vec(), data)
+        })
         .collect();
-    let (_, dtype, _, data) = owned
-        .iter_mut()
-        .find(|(n, ..)| n == name)
-        .unwrap_or_else(|| panic!("{name} is not in {}", weights.display()));
-    let nan: &[u8] = match dtype {
-        safetensors::Dtype::F32 => &f32::NAN.to_le_bytes(),
-        safetensors::Dtype::F16 => &[0x00, 0x7e],
-        safetensors::Dtype::BF16 => &[0xc0, 0x7f],
-        other => panic!("{name}: dtype {other:?}"),
-    };
-    data[..nan.len()].copy_from_slice(nan);
     let views: Vec<_> = owned
         .iter()
         .map(|(n, d, s, b)| {
@@ -91,6 +109,7 @@ pub fn poison_tensor(weights: &Path, name: &str) {
         })
         .collect();
     std::fs::write(weights, safetensors::serialize(views, None).unwrap()).unwrap();
+    changed
 }
 
 /// Flips the lowest bit of the byte in the middle of `file`.
