@@ -19,8 +19,19 @@ ok = torch.__version__.split("+")[0] == "2.13.0" and transformers.__version__ ==
 sys.exit(0 if ok else 1)
 PY
 then
+  # The wheels (~3.5 GB) are unpacked beside the installed packages (~5 GB): refuse early, by
+  # name, where that cannot fit instead of failing half-way through pip.
+  need_kib=$((9 * 1024 * 1024))
+  for dir in "$venv" "${TMPDIR:-/tmp}"; do
+    free_kib="$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')"
+    if [ "$free_kib" -lt "$need_kib" ]; then
+      echo "error: installing PyTorch needs about 9 GiB free on the disk of $dir; it has $((free_kib / 1024)) MiB" >&2
+      exit 1
+    fi
+  done
   echo "installing PyTorch 2.13.0 and the reference packages into $venv (about 5 GB, once)" >&2
-  "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$root/tests/fixtures/requirements.txt"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir \
+    -r "$root/tests/fixtures/requirements.txt"
 fi
 torch_dir="$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 ln -sfn "$torch_dir" "$venv/libtorch"

@@ -1,8 +1,17 @@
 //! A bundle's tokenizer (T5's SentencePiece for Switch; the decoder-only families' BPE), through
 //! the `tokenizers` crate (the same code Hugging Face's fast tokenizer runs, so ids match
 //! `AutoTokenizer` exactly).
+//!
+//! A `tokenizer.json` is the user's file, and the `tokenizers` crate panics on some malformed
+//! ones (a syntax error inside its `decoder`, a post-processor template naming a special token
+//! it does not define). So the file is parsed as JSON first, every call into the crate runs
+//! under [`guarded`], which turns a panic into an error naming the file, and loading tries the
+//! file once on a short text, so a broken tokenizer is refused when it is loaded.
 
+use std::cell::Cell;
+use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::sync::Once;
 
 use tokenizers::{TruncationDirection, TruncationParams, TruncationStrategy};
 
@@ -27,14 +36,23 @@ impl Tokenizer {
 
     /// The tokenizer in `bytes` (a `tokenizer.json`), read from `path` (named in errors).
     pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| Error::Tokenizer {
+        let error = |message: String| Error::Tokenizer {
             path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        Ok(Tokenizer {
+            message,
+        };
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
+            .map_err(|e| error(format!("not valid JSON: {e}")))?;
+        let inner = guarded(|| tokenizers::Tokenizer::from_bytes(bytes))
+            .map_err(error)?
+            .map_err(|e| error(e.to_string()))?;
+        let tokenizer = Tokenizer {
             path: path.to_path_buf(),
             inner,
-        })
+        };
+        // What every run asks of it, on a text with words, digits, punctuation and non-ASCII.
+        let probe = tokenizer.encode_all("Anna: 2 cafés, ok?")?;
+        tokenizer.decode(&probe)?;
+        Ok(tokenizer)
     }
 
     /// Fails unless this tokenizer can belong to the model of `config`: every id it produces
@@ -44,8 +62,7 @@ impl Tokenizer {
     /// fails here instead of indexing past the embedding or never producing an EOS.
     pub fn check_against(&self, config: &BundleConfig) -> Result<()> {
         let tokens = self
-            .inner
-            .get_vocab(true)
+            .guard(|| self.inner.get_vocab(true))?
             .values()
             .map(|&id| id as u64 + 1)
             .max()
@@ -99,7 +116,9 @@ impl Tokenizer {
             }))
             .map_err(|e| self.error(e))?;
         bounded(text, max_tokens, Direction::First, |piece, whole| {
-            let encoding = tokenizer.encode(piece, true).map_err(|e| self.error(e))?;
+            let encoding = self
+                .guard(|| tokenizer.encode(piece, true))?
+                .map_err(|e| self.error(e))?;
             if !whole && encoding.get_overflowing().is_empty() {
                 return Ok(None);
             }
@@ -110,7 +129,9 @@ impl Tokenizer {
     /// Ids of `text` with the tokenizer's special tokens (a BOS, an EOS: whatever its
     /// post-processor adds, as `tokenizer(text)` does), without truncation.
     pub fn encode_all(&self, text: &str) -> Result<Vec<i64>> {
-        let encoding = self.inner.encode(text, true).map_err(|e| self.error(e))?;
+        let encoding = self
+            .guard(|| self.inner.encode(text, true))?
+            .map_err(|e| self.error(e))?;
         Ok(ids(encoding.get_ids()))
     }
 
@@ -123,7 +144,9 @@ impl Tokenizer {
     pub fn encode_last(&self, text: &str, max_tokens: usize) -> Result<Vec<i64>> {
         let max = max_tokens.max(1);
         bounded(text, max, Direction::Last, |piece, whole| {
-            let encoding = self.inner.encode(piece, true).map_err(|e| self.error(e))?;
+            let encoding = self
+                .guard(|| self.inner.encode(piece, true))?
+                .map_err(|e| self.error(e))?;
             let all = encoding.get_ids();
             if whole {
                 return Ok(Some(ids(&all[all.len().saturating_sub(max)..])));
@@ -153,7 +176,12 @@ impl Tokenizer {
             .filter(|&&id| id >= 0 && id <= u32::MAX as i64)
             .map(|&id| id as u32)
             .collect();
-        self.inner.decode(&ids, true).map_err(|e| self.error(e))
+        self.guard(|| self.inner.decode(&ids, true))?
+            .map_err(|e| self.error(e))
+    }
+
+    fn guard<T>(&self, call: impl FnOnce() -> T) -> Result<T> {
+        guarded(call).map_err(|message| self.error(message))
     }
 
     fn error(&self, e: impl std::fmt::Display) -> Error {
@@ -162,6 +190,49 @@ impl Tokenizer {
             message: e.to_string(),
         }
     }
+}
+
+thread_local! {
+    /// Whether this thread is inside [`guarded`], whose panics are reported as errors.
+    static GUARDED: Cell<bool> = const { Cell::new(false) };
+    /// The message of the last panic caught by [`guarded`] on this thread.
+    static CAUGHT: Cell<Option<String>> = const { Cell::new(None) };
+}
+
+/// Runs `call` (a call into the `tokenizers` crate), turning a panic in it into `Err` with
+/// the panic's message. Such a panic is not printed: a panic hook, installed once and
+/// deferring to the previous hook everywhere else, records it for the error instead.
+fn guarded<T>(call: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    static QUIET_HOOK: Once = Once::new();
+    QUIET_HOOK.call_once(|| {
+        let previous = panic::take_hook();
+        panic::set_hook(Box::new(move |info| {
+            if GUARDED.with(Cell::get) {
+                let location = info
+                    .location()
+                    .map(|l| format!(" (at {}:{})", l.file(), l.line()))
+                    .unwrap_or_default();
+                let message = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".to_string());
+                CAUGHT.with(|c| c.set(Some(format!("{message}{location}"))));
+            } else {
+                previous(info);
+            }
+        }));
+    });
+    let outer = GUARDED.with(|g| g.replace(true));
+    let result = panic::catch_unwind(AssertUnwindSafe(call));
+    GUARDED.with(|g| g.set(outer));
+    result.map_err(|_| {
+        let message = CAUGHT
+            .with(Cell::take)
+            .unwrap_or_else(|| "a panic".to_string());
+        format!("the tokenizers library cannot use this file: {message}")
+    })
 }
 
 fn ids(ids: &[u32]) -> Vec<i64> {
@@ -345,6 +416,35 @@ mod tests {
         let t5 = tokenizer("models/switch-samsum-tiny/tokenizer.json");
         assert_eq!(t5.encode(&text, 512).unwrap().len(), 512);
         assert_eq!(t5.encode_last(&text, 512).unwrap().len(), 512);
+    }
+
+    /// Files the `tokenizers` crate panicked on (found by fuzzing, `fuzz/regressions/tokenizer/`):
+    /// each is refused when loaded, with an error naming the file and saying why.
+    #[test]
+    fn tokenizer_files_the_library_panics_on_are_refused_by_name() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions/tokenizer");
+        for (file, why) in [
+            ("decoder-syntax-error.json", "not valid JSON"),
+            ("template-second-sequence.json", "cannot use this file"),
+            (
+                "template-undefined-special-token.json",
+                "cannot use this file",
+            ),
+        ] {
+            let path = dir.join(file);
+            match Tokenizer::load(&path) {
+                Ok(_) => panic!("{file} was accepted"),
+                Err(e) => {
+                    let message = e.to_string();
+                    assert!(message.contains(file), "{message}");
+                    assert!(message.contains(why), "{message}");
+                }
+            }
+        }
+        // The same calls on a sound file still work, and a panic outside a guard is a panic.
+        tokenizer("models/switch-samsum-tiny/tokenizer.json");
+        assert!(std::panic::catch_unwind(|| panic!("not guarded")).is_err());
+        assert_eq!(guarded(|| 7), Ok(7));
     }
 
     #[test]
