@@ -309,6 +309,45 @@ impl PolicyState {
     /// first). `current` is the decoder MoE layer executing (`None` while the encoder runs).
     fn expected_reuse(&self, id: ExpertId, current: Option<usize>) -> f64 {
         let (first, later) = self.chances(id);
+        self.expected_reuse_with(id, current, first, later)
+    }
+
+    /// `edgemoe` only (`None` for the other policies, which have no such measure): whether a
+    /// speculative load of `predicted`, which a predictor gives `probability` of being demanded
+    /// by its layer's next pass, is expected to be used before `victim`, the expert it would
+    /// evict. The prediction's next use is counted as [`Self::expected_reuse`] counts any
+    /// expert's, with the predictor's probability in place of the policy's own chance for the
+    /// next pass; a speculative load therefore never evicts an expert the policy expects back
+    /// sooner.
+    pub fn speculation_outranks(
+        &self,
+        predicted: ExpertId,
+        probability: f64,
+        victim: ExpertId,
+        current: Option<usize>,
+    ) -> Option<bool> {
+        if self.policy != Policy::Edgemoe {
+            return None;
+        }
+        let first = probability.clamp(0.0, 1.0);
+        // An expert the run has not seen yet: the prediction is all there is to go on.
+        let later = match self.chances(predicted) {
+            (_, later) if later > 0.0 => later,
+            _ => first,
+        };
+        let prediction = self.expected_reuse_with(predicted, current, first, later);
+        Some(prediction < self.expected_reuse(victim, current))
+    }
+
+    /// [`Self::expected_reuse`] with the chances `first` (next pass of the layer) and `later`
+    /// (each pass after it) given.
+    fn expected_reuse_with(
+        &self,
+        id: ExpertId,
+        current: Option<usize>,
+        first: f64,
+        later: f64,
+    ) -> f64 {
         let Some(i) = self.layers.moe_index(id.stack, id.layer as usize) else {
             return f64::INFINITY;
         };
@@ -496,6 +535,41 @@ mod tests {
         state.policy = Policy::EdgemoeFd;
         state.record_demand(dec(3, 2), 1);
         assert_eq!(state.choose_victim(&cands, Some(1)), 1);
+    }
+
+    #[test]
+    fn speculation_evicts_only_experts_expected_back_later_than_the_prediction() {
+        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &[]);
+        // Layer 0 picks expert 0 at every step; layer 3 picks expert 5 at step 1, then 6.
+        for step in 1..=8 {
+            state.record_demand(dec(0, 0), step);
+            state.record_demand(dec(3, if step == 1 { 5 } else { 6 }), step);
+        }
+        // Executing layer 0; a prediction for layer 1 (next to run).
+        let predicted = dec(1, 7);
+        let at = Some(0);
+        // (0,0) is back in 4 passes for sure: a prediction due in 1 pass outranks it only when
+        // its expected wait, 1 + 4·(1 − p)/p, is shorter.
+        assert_eq!(
+            state.speculation_outranks(predicted, 0.9, dec(0, 0), at),
+            Some(true)
+        );
+        assert_eq!(
+            state.speculation_outranks(predicted, 0.3, dec(0, 0), at),
+            Some(false)
+        );
+        // (3,5) is rarely used: even a weak prediction outranks it.
+        assert!(state.expected_reuse(dec(3, 5), at) > 20.0);
+        assert_eq!(
+            state.speculation_outranks(predicted, 0.3, dec(3, 5), at),
+            Some(true)
+        );
+        // Other policies have no such measure.
+        state.policy = Policy::Lru;
+        assert_eq!(
+            state.speculation_outranks(predicted, 0.9, dec(0, 0), at),
+            None
+        );
     }
 
     #[test]

@@ -517,13 +517,26 @@ impl ExpertBuffer {
     }
 
     /// Whether the policy's victim for a speculative load of `id` (predicted with
-    /// `probability` for the next layer) is worth less than the prediction: free, or an expert
-    /// whose chance of use per layer until its next turn is below it.
-    fn room_for_speculation(&self, probability: f64, ctx: &AccessContext<'_>) -> bool {
+    /// `probability` for the next layer) is worth less than the prediction: a free slot; under
+    /// `edgemoe`, an expert the policy expects back later than the prediction
+    /// ([`PolicyState::speculation_outranks`]); under the other policies, an expert whose
+    /// offline chance of use per layer until its next turn is below the prediction's.
+    fn room_for_speculation(
+        &self,
+        id: ExpertId,
+        probability: f64,
+        ctx: &AccessContext<'_>,
+    ) -> bool {
         match self.table.peek_room(ctx) {
             None => false,
             Some((_, None)) => true,
             Some((_, Some(victim))) => {
+                let policy = &self.table.policy;
+                if let Some(outranks) =
+                    policy.speculation_outranks(id, probability, victim, ctx.current)
+                {
+                    return outranks;
+                }
                 let d = self.distance(victim);
                 let value = if d == 0 {
                     0.0
@@ -571,7 +584,7 @@ impl ExpertBuffer {
             let probability = self.prediction_probability(id);
             let pays = self.speculation.enabled(id)
                 && self.speculative_in_flight() < self.store.queue_depth()
-                && self.room_for_speculation(probability, &ctx);
+                && self.room_for_speculation(id, probability, &ctx);
             if !pays {
                 self.speculation.candidate(id, false);
                 return Ok(());
