@@ -5,7 +5,10 @@
 #  2. records a trace of held-out text (SAMSum validation, $DOCS documents) and replays it through
 #     every policy and buffer size, with Belady as the upper bound (table + SVG);
 #  3. decode latency with prefetch off vs on at two budgets, expert reads bypassing the page
-#     cache (O_DIRECT), as ratios measured in one run.
+#     cache (O_DIRECT), as ratios measured in one run;
+#  4. (BENCHMARKS.md §12) demand-only replays of held-out traces next to Belady: the step-2
+#     trace, and the first 100 SAMSum test dialogues with the dictionary calibrated on the
+#     first 200 train dialogues (`SKIP_S12=1` skips it).
 # Usage: benches/cache.sh [OUT_DIR]   (after ./setup.sh; needs ../shared)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -72,3 +75,17 @@ for budget in ["88MiB", "95MiB"]:
           f"{on['decode_ms_per_token'] / off['decode_ms_per_token']:.2f}, "
           f"stall = {on['stall_ms_per_token'] / max(off['stall_ms_per_token'], 1e-9):.2f}")
 PY
+
+if [ -z "${SKIP_S12:-}" ]; then
+  echo
+  echo "== §12: demand-only replays of held-out traces (validation 101-$((100 + DOCS)); test 1-100)"
+  "$bin" replay --trace "$out/trace.jsonl" --slots 4,6,8,10,12,16,24,32 --demand-only
+  s12="$out/s12"
+  mkdir -p "$s12"
+  "$bin" convert --hf models/switch-samsum-tiny --out "$s12/demo" >/dev/null
+  "$bin" calibrate --model "$s12/demo" --data "$data/train.jsonl" --limit 200 >/dev/null
+  head -100 "$data/test.jsonl" > "$s12/test100.jsonl"
+  "$bin" summarize --model "$s12/demo" --input "$s12/test100.jsonl" --buffer-experts 8 \
+    --no-prefetch --trace "$s12/trace-test.jsonl" -q > /dev/null
+  "$bin" replay --trace "$s12/trace-test.jsonl" --slots 4,6,8,10,12,16,24,32 --demand-only
+fi
