@@ -98,6 +98,23 @@ impl MappedBytes {
     pub fn missing_bytes(&self, start: usize, len: usize) -> u64 {
         let first = start / PAGE * PAGE;
         let pages = (start + len - first).div_ceil(PAGE);
+        let Some(resident) = self.mincore(first, pages) else {
+            return 0;
+        };
+        resident.iter().filter(|&&r| r & 1 == 0).count() as u64 * PAGE as u64
+    }
+
+    /// Which pages of the whole map are in memory now (bit 0 of each byte, as `mincore`
+    /// writes it); `None` where the kernel does not answer.
+    pub fn resident_pages(&self) -> Option<PageMap> {
+        self.mincore(0, self.map.len().div_ceil(PAGE)).map(PageMap)
+    }
+
+    /// `mincore` over `pages` pages from byte `first` (a page boundary).
+    fn mincore(&self, first: usize, pages: usize) -> Option<Vec<u8>> {
+        if pages == 0 {
+            return Some(Vec::new());
+        }
         let mut resident = vec![0u8; pages];
         // SAFETY: the range lies inside the live mapping; `resident` has one byte per page.
         let rc = unsafe {
@@ -107,10 +124,34 @@ impl MappedBytes {
                 resident.as_mut_ptr(),
             )
         };
-        if rc != 0 {
+        (rc == 0).then_some(resident)
+    }
+}
+
+/// A snapshot of which pages of a [`MappedBytes`] were in memory.
+pub struct PageMap(Vec<u8>);
+
+impl PageMap {
+    /// Bytes of the pages resident in `self` that were not in `before`: what the kernel read
+    /// in between (faults, and its read-ahead past what was touched).
+    pub fn paged_in_since(&self, before: &PageMap) -> u64 {
+        let new = self
+            .0
+            .iter()
+            .zip(&before.0)
+            .filter(|&(&now, &then)| now & 1 == 1 && then & 1 == 0)
+            .count();
+        new as u64 * PAGE as u64
+    }
+
+    /// Bytes of `start..start + len` whose pages are not resident in this snapshot.
+    pub fn missing_bytes(&self, start: usize, len: usize) -> u64 {
+        if len == 0 {
             return 0;
         }
-        resident.iter().filter(|&&r| r & 1 == 0).count() as u64 * PAGE as u64
+        let (first, last) = (start / PAGE, (start + len).div_ceil(PAGE));
+        let pages = self.0.get(first..last.min(self.0.len())).unwrap_or(&[]);
+        pages.iter().filter(|&&r| r & 1 == 0).count() as u64 * PAGE as u64
     }
 }
 

@@ -309,3 +309,56 @@ fn a_damaged_expert_is_an_error_in_mmap_mode() {
         assert_fails(&out, &["experts.bin", "checksum"]);
     }
 }
+
+/// `mmap` mode pays for every page the kernel reads into the map, not only the pages an expert
+/// misses when it is touched: pages brought in beside a touch (the kernel's read-ahead past an
+/// expert's end reaches megabytes into the next ones) or between two touches are paced and
+/// counted as read. Before, an expert the read-ahead had brought in was a free hit.
+#[test]
+fn mmap_mode_pays_for_pages_the_kernel_reads_ahead() {
+    use std::os::unix::fs::FileExt;
+
+    use edgemoe::model::provider::ExpertProvider;
+    use edgemoe::runtime::modes::MappedExperts;
+    use edgemoe::weights::MappedBytes;
+
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::checkpoint::copy_dir(demo_bundle(), dir.path());
+    let store = Bundle::open(&bundle).unwrap().open_store().unwrap();
+    let path = store.path().to_path_buf();
+    let file_len = std::fs::metadata(&path).unwrap().len() as usize;
+    store.drop_page_cache();
+    if MappedBytes::open(&path).unwrap().missing_bytes(0, file_len) == 0 {
+        eprintln!(
+            "skipped: the page cache of {} cannot be dropped here",
+            path.display()
+        );
+        return;
+    }
+    let ids: Vec<ExpertId> = store.index().experts.iter().map(|e| e.id).collect();
+    let (first, last) = (ids[0], *ids.last().unwrap());
+    let span = |id: ExpertId| {
+        let e = store.entry(id).unwrap();
+        (e.offset, e.length as usize)
+    };
+    let ((_, first_len), (last_offset, last_len)) = (span(first), span(last));
+    let mut experts =
+        MappedExperts::new(store, Some(ReadPacer::new(1e12, Duration::ZERO))).unwrap();
+    experts.expert(first, None).unwrap();
+    // The last expert brought in from outside the engine, as read-ahead would.
+    let mut buf = vec![0u8; last_len];
+    std::fs::File::open(&path)
+        .unwrap()
+        .read_exact_at(&mut buf, last_offset)
+        .unwrap();
+    experts.expert(last, None).unwrap();
+    let stats = experts.stats();
+    assert_eq!((stats.accesses, stats.misses), (2, 1), "{stats:?}");
+    // Every byte the two touches needed was paged in and is counted, whoever paged it in.
+    assert!(
+        stats.bytes_read >= (first_len + last_len) as u64,
+        "{} bytes counted, {} paged in",
+        stats.bytes_read,
+        first_len + last_len
+    );
+}

@@ -13,7 +13,10 @@
 //! | `q+p+c`   | quantized store, prefetch + the budget's expert buffer                   |
 //!
 //! With `--storage emulate`, `mmap` pays for page-ins too: before touching an expert it asks the
-//! kernel which of its pages are resident (`mincore`) and paces the missing bytes.
+//! kernel which pages of the whole store are resident (`mincore`) and paces the expert's
+//! missing bytes plus every page the kernel brought in since the last touch — its read-ahead
+//! past an expert's end pulls in the start of the next one (up to the disk's `read_ahead_kb`),
+//! which the emulated card must pay for too, or mmap would read part of every expert free.
 
 use std::fmt;
 use std::path::Path;
@@ -33,7 +36,7 @@ use crate::runtime::resident::ResidentExperts;
 use crate::runtime::stats::ExpertStats;
 use crate::store::AlignedBuf;
 use crate::store::{ExpertStore, ReadPacer};
-use crate::weights::MappedBytes;
+use crate::weights::{MappedBytes, PageMap};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum Mode {
@@ -156,17 +159,27 @@ pub struct MappedExperts {
     map: MappedBytes,
     pacer: Option<ReadPacer>,
     stats: ExpertStats,
+    /// With a pacer: the store's resident pages right after the last touch (and its read-ahead
+    /// as far as it had got).
+    after_last_touch: Option<PageMap>,
 }
 
 impl MappedExperts {
     pub fn new(store: ExpertStore, pacer: Option<ReadPacer>) -> Result<Self> {
         let map = MappedBytes::open(store.path())?;
+        let after_last_touch = pacer.as_ref().and_then(|_| map.resident_pages());
         Ok(MappedExperts {
             store,
             map,
             pacer,
             stats: ExpertStats::default(),
+            after_last_touch,
         })
+    }
+
+    /// The store's resident pages now, where page-ins are paced.
+    fn snapshot(&self) -> Option<PageMap> {
+        self.pacer.as_ref().and_then(|_| self.map.resident_pages())
     }
 }
 
@@ -179,8 +192,15 @@ impl ExpertProvider for MappedExperts {
             .clone();
         let (start, len) = (entry.offset as usize, entry.length as usize);
         let started = Instant::now();
-        let missing = self.map.missing_bytes(start, len);
-        let done = match (&self.pacer, missing) {
+        // Paced: this expert's missing pages, plus anything the kernel brought in since the
+        // last touch, are read before the touch; what the touch makes the kernel read beyond
+        // them (its read-ahead into the next expert) keeps the device busy after it.
+        let before = self.snapshot();
+        let (missing, earlier) = match (&before, &self.after_last_touch) {
+            (Some(now), Some(last)) => (now.missing_bytes(start, len), now.paged_in_since(last)),
+            _ => (self.map.missing_bytes(start, len), 0),
+        };
+        let done = match (&self.pacer, missing + earlier) {
             (Some(p), m) if m > 0 => Some(p.book(m)),
             _ => None,
         };
@@ -197,16 +217,29 @@ impl ExpertProvider for MappedExperts {
         if let Some(done) = done {
             ReadPacer::wait(done);
         }
+        let after = self.snapshot();
+        let read_ahead = match (&after, &before) {
+            (Some(after), Some(before)) => after.paged_in_since(before).saturating_sub(missing),
+            _ => 0,
+        };
+        if let (Some(p), true) = (&self.pacer, read_ahead > 0) {
+            p.book(read_ahead);
+        }
+        self.after_last_touch = after;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         self.stats.accesses += 1;
         if missing == 0 {
             self.stats.hits += 1;
         } else {
             self.stats.misses += 1;
-            self.stats.bytes_read += missing;
+        }
+        let paged_in = missing + earlier + read_ahead;
+        self.stats.bytes_read += paged_in;
+        if paged_in > 0 {
             self.stats.stall_ms += ms;
             self.stats.read_ms += ms;
         }
+        let bytes = &self.map.as_slice()[start..start + len];
         expert_weights(&entry, bytes)
     }
 }
