@@ -104,10 +104,16 @@ impl MappedBytes {
         resident.iter().filter(|&&r| r & 1 == 0).count() as u64 * PAGE as u64
     }
 
-    /// Which pages of the whole map are in memory now (bit 0 of each byte, as `mincore`
-    /// writes it); `None` where the kernel does not answer.
-    pub fn resident_pages(&self) -> Option<PageMap> {
-        self.mincore(0, self.map.len().div_ceil(PAGE)).map(PageMap)
+    /// Which pages of `start..start + len` (clipped to the map) are in memory now; `None` where
+    /// the kernel does not answer.
+    pub fn resident_pages(&self, start: usize, len: usize) -> Option<PageMap> {
+        let first = (start / PAGE).min(self.map.len().div_ceil(PAGE));
+        let end = (start.saturating_add(len))
+            .min(self.map.len())
+            .div_ceil(PAGE);
+        let pages = end.saturating_sub(first);
+        self.mincore(first * PAGE, pages)
+            .map(|resident| PageMap { first, resident })
     }
 
     /// `mincore` over `pages` pages from byte `first` (a page boundary).
@@ -128,30 +134,40 @@ impl MappedBytes {
     }
 }
 
-/// A snapshot of which pages of a [`MappedBytes`] were in memory.
-pub struct PageMap(Vec<u8>);
+/// A snapshot of which pages of a window of a [`MappedBytes`] were in memory.
+pub struct PageMap {
+    /// Index of the window's first page.
+    first: usize,
+    /// Bit 0 of each byte, as `mincore` writes it: resident.
+    resident: Vec<u8>,
+}
 
 impl PageMap {
-    /// Bytes of the pages resident in `self` that were not in `before`: what the kernel read
-    /// in between (faults, and its read-ahead past what was touched).
+    fn is_resident(&self, page: usize) -> Option<bool> {
+        let i = page.checked_sub(self.first)?;
+        self.resident.get(i).map(|r| r & 1 == 1)
+    }
+
+    /// Bytes of the pages resident in `self` that `before` saw absent: what the kernel read in
+    /// between (faults, and its read-ahead past what was touched). Pages outside `before`'s
+    /// window are not counted.
     pub fn paged_in_since(&self, before: &PageMap) -> u64 {
-        let new = self
-            .0
-            .iter()
-            .zip(&before.0)
-            .filter(|&(&now, &then)| now & 1 == 1 && then & 1 == 0)
+        let new = (self.first..self.first + self.resident.len())
+            .filter(|&p| self.is_resident(p) == Some(true) && before.is_resident(p) == Some(false))
             .count();
         new as u64 * PAGE as u64
     }
 
-    /// Bytes of `start..start + len` whose pages are not resident in this snapshot.
+    /// Bytes of `start..start + len` whose pages are not resident in this snapshot (pages
+    /// outside its window count as not resident).
     pub fn missing_bytes(&self, start: usize, len: usize) -> u64 {
         if len == 0 {
             return 0;
         }
-        let (first, last) = (start / PAGE, (start + len).div_ceil(PAGE));
-        let pages = self.0.get(first..last.min(self.0.len())).unwrap_or(&[]);
-        pages.iter().filter(|&&r| r & 1 == 0).count() as u64 * PAGE as u64
+        let missing = (start / PAGE..(start + len).div_ceil(PAGE))
+            .filter(|&p| self.is_resident(p) != Some(true))
+            .count();
+        missing as u64 * PAGE as u64
     }
 }
 

@@ -13,10 +13,11 @@
 //! | `q+p+c`   | quantized store, prefetch + the budget's expert buffer                   |
 //!
 //! With `--storage emulate`, `mmap` pays for page-ins too: before touching an expert it asks the
-//! kernel which pages of the whole store are resident (`mincore`) and paces the expert's
-//! missing bytes plus every page the kernel brought in since the last touch — its read-ahead
-//! past an expert's end pulls in the start of the next one (up to the disk's `read_ahead_kb`),
-//! which the emulated card must pay for too, or mmap would read part of every expert free.
+//! kernel which pages of the expert and the 64 MiB after it are resident (`mincore`), paces the
+//! expert's missing bytes, and books as device time every page the touch brought in beyond them
+//! and every page that appeared after the last touch: the kernel's read-ahead past an expert's
+//! end pulls in the next ones (up to the disk's `read_ahead_kb`), which the emulated card must
+//! pay for too, or mmap would read part of every expert free.
 
 use std::fmt;
 use std::path::Path;
@@ -159,27 +160,36 @@ pub struct MappedExperts {
     map: MappedBytes,
     pacer: Option<ReadPacer>,
     stats: ExpertStats,
-    /// With a pacer: the store's resident pages right after the last touch (and its read-ahead
-    /// as far as it had got).
+    /// With a pacer: the resident pages of the last touch's window right after it (its
+    /// read-ahead as far as it had got).
     after_last_touch: Option<PageMap>,
+    /// The last touch's window of the store, `(offset, length)`.
+    last_window: Option<(usize, usize)>,
 }
+
+/// Bytes past an expert's end whose page-ins count as its read-ahead: more than any
+/// `read_ahead_kb` a Linux block device is given by default (128 KiB to a few MiB), so the
+/// window sees all of it, and bounded, so a large store is not scanned at every touch.
+const READ_AHEAD_WINDOW: usize = 64 << 20;
 
 impl MappedExperts {
     pub fn new(store: ExpertStore, pacer: Option<ReadPacer>) -> Result<Self> {
         let map = MappedBytes::open(store.path())?;
-        let after_last_touch = pacer.as_ref().and_then(|_| map.resident_pages());
         Ok(MappedExperts {
             store,
             map,
             pacer,
             stats: ExpertStats::default(),
-            after_last_touch,
+            after_last_touch: None,
+            last_window: None,
         })
     }
 
-    /// The store's resident pages now, where page-ins are paced.
-    fn snapshot(&self) -> Option<PageMap> {
-        self.pacer.as_ref().and_then(|_| self.map.resident_pages())
+    /// The resident pages of `window` now, where page-ins are paced.
+    fn snapshot(&self, (start, len): (usize, usize)) -> Option<PageMap> {
+        self.pacer
+            .as_ref()
+            .and_then(|_| self.map.resident_pages(start, len))
     }
 }
 
@@ -195,10 +205,17 @@ impl ExpertProvider for MappedExperts {
         // Paced: this expert's missing pages, plus anything the kernel brought in since the
         // last touch, are read before the touch; what the touch makes the kernel read beyond
         // them (its read-ahead into the next expert) keeps the device busy after it.
-        let before = self.snapshot();
-        let (missing, earlier) = match (&before, &self.after_last_touch) {
-            (Some(now), Some(last)) => (now.missing_bytes(start, len), now.paged_in_since(last)),
-            _ => (self.map.missing_bytes(start, len), 0),
+        let window = (start, len + READ_AHEAD_WINDOW);
+        let earlier = match (self.last_window, &self.after_last_touch) {
+            (Some(last), Some(then)) => self
+                .snapshot(last)
+                .map_or(0, |now| now.paged_in_since(then)),
+            _ => 0,
+        };
+        let before = self.snapshot(window);
+        let missing = match &before {
+            Some(now) => now.missing_bytes(start, len),
+            None => self.map.missing_bytes(start, len),
         };
         let done = match (&self.pacer, missing + earlier) {
             (Some(p), m) if m > 0 => Some(p.book(m)),
@@ -217,7 +234,7 @@ impl ExpertProvider for MappedExperts {
         if let Some(done) = done {
             ReadPacer::wait(done);
         }
-        let after = self.snapshot();
+        let after = self.snapshot(window);
         let read_ahead = match (&after, &before) {
             (Some(after), Some(before)) => after.paged_in_since(before).saturating_sub(missing),
             _ => 0,
@@ -226,6 +243,7 @@ impl ExpertProvider for MappedExperts {
             p.book(read_ahead);
         }
         self.after_last_touch = after;
+        self.last_window = Some(window);
         let ms = started.elapsed().as_secs_f64() * 1e3;
         self.stats.accesses += 1;
         if missing == 0 {
