@@ -46,13 +46,13 @@ pub struct ServeArgs {
     limit_documents: usize,
     /// Longest document (longer ones are truncated, as `summarize` does) or prompt (longer
     /// ones are refused), in tokens; working memory is sized for it (default: the model's
-    /// max_source_tokens for a summarization model, 1024 for a decoder-only one).
+    /// max_source_tokens for a summarization model, its positions up to 1024 for a decoder-only one).
     #[arg(long, value_name = "N", value_parser = parse_count)]
     limit_input_tokens: Option<usize>,
     /// Most new tokens one request may ask for (default: 512, or the model's default if larger).
     #[arg(long, value_name = "N", value_parser = parse_count)]
     limit_new_tokens: Option<usize>,
-    /// Widest beam search one request may ask for (default: the model's beams).
+    /// Widest beam search one request may ask for (default: 4, or the model's beams if more).
     #[arg(long, value_name = "N", value_parser = parse_count)]
     limit_beams: Option<usize>,
     /// Seconds from a request's arrival to its answer, queue wait included; a request still
@@ -93,15 +93,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let limits = Limits {
         body_bytes: usize::try_from(args.limit_body).unwrap_or(usize::MAX),
         documents: args.limit_documents,
-        input_tokens: args.limit_input_tokens.unwrap_or(if encoder_decoder {
-            generation.max_source_tokens
-        } else {
-            1024
+        input_tokens: args.limit_input_tokens.unwrap_or_else(|| {
+            match bundle.config.model.as_decoder() {
+                Some(decoder) => decoder.max_position_embeddings.min(1024),
+                None => generation.max_source_tokens,
+            }
         }),
         new_tokens: args
             .limit_new_tokens
             .unwrap_or(generation.max_new_tokens.max(512)),
-        beams: args.limit_beams.unwrap_or(generation.num_beams.max(1)),
+        beams: args.limit_beams.unwrap_or(generation.num_beams.max(4)),
         deadline: args.request_timeout,
     };
     let base = SessionOptions {

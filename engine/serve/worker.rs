@@ -89,21 +89,22 @@ pub fn run(
     let _ = loaded.send(Ok(()));
     for job in jobs.iter() {
         metrics.job_started();
-        let (status, tokens) = match run_job(&mut session, &job, &metrics) {
-            Ok(tokens) => (200, tokens),
+        let (status, tokens, last) = match run_job(&mut session, &job, &metrics) {
+            Ok((tokens, last)) => (200, tokens, last),
             Err(error) => {
                 let stopped = matches!(error, Error::Cancelled(_)).then(|| why_stopped(&job));
                 if let Some(stopped) = stopped {
                     metrics.cancelled(stopped);
                 }
                 let reply = ApiError::from_engine(&error, stopped);
-                let status = reply.status;
-                // The client may be gone: nobody to tell.
-                let _ = job.reply.send(Reply::Failed(reply));
-                (status, 0)
+                (reply.status, 0, Reply::Failed(reply))
             }
         };
+        // Counted before the client can see its answer, so that /metrics read after an
+        // answer includes it.
         metrics.job_finished(&job, status, tokens, &session);
+        // The client may be gone: nobody to tell.
+        let _ = job.reply.send(last);
     }
 }
 
@@ -117,8 +118,8 @@ fn why_stopped(job: &Job) -> Stopped {
     })
 }
 
-/// Runs one job; the number of tokens generated.
-fn run_job(session: &mut Session, job: &Job, metrics: &Metrics) -> Result<usize> {
+/// Runs one job: the number of tokens generated and the last reply to send.
+fn run_job(session: &mut Session, job: &Job, metrics: &Metrics) -> Result<(usize, Reply)> {
     job.cancellation.check()?;
     match &job.task {
         Task::Summarize(task) => summarize(session, job, task, metrics),
@@ -131,7 +132,7 @@ fn summarize(
     job: &Job,
     task: &SummarizeTask,
     metrics: &Metrics,
-) -> Result<usize> {
+) -> Result<(usize, Reply)> {
     session.options.decode = task.decode.clone();
     session.options.decode.cancellation = job.cancellation.clone();
     session.options.max_input_tokens = task.max_source_tokens;
@@ -149,9 +150,7 @@ fn summarize(
         });
     }
     let tokens = summaries.iter().map(|s| s.tokens).sum();
-    // The client may be gone by now: nothing to do about it.
-    let _ = job.reply.send(Reply::Summaries(summaries));
-    Ok(tokens)
+    Ok((tokens, Reply::Summaries(summaries)))
 }
 
 fn complete(
@@ -159,7 +158,7 @@ fn complete(
     job: &Job,
     task: &CompletionTask,
     metrics: &Metrics,
-) -> Result<usize> {
+) -> Result<(usize, Reply)> {
     let prompt_ids = match &task.prompt {
         Prompt::Text(text) => session.tokenizer.encode_all(text)?,
         Prompt::Ids(ids) => ids.clone(),
@@ -208,10 +207,10 @@ fn complete(
     let text = stream.finish(tokenizer)?;
     metrics.generated(&generation, prompt_ids.len(), session);
     let tokens = generation.tokens.len();
-    let _ = job.reply.send(Reply::Finished {
+    let finished = Reply::Finished {
         text,
         completion_tokens: tokens,
         finish_reason: finish_reason(&generation.tokens, &decode),
-    });
-    Ok(tokens)
+    };
+    Ok((tokens, finished))
 }
