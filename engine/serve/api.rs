@@ -326,7 +326,7 @@ impl SamplingRequest {
         let mut decode = DecodeOptions::from_defaults(defaults);
         decode.sampling = match (self.temperature, self.top_p) {
             (None, None) => Sampling::Greedy,
-            (Some(t), _) if t == 0.0 => Sampling::Greedy,
+            (Some(0.0), _) => Sampling::Greedy,
             (t, p) => Sampling::TopP {
                 temperature: t.unwrap_or(1.0),
                 top_p: p.unwrap_or(1.0),
