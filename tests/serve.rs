@@ -542,7 +542,12 @@ fn sigterm_past_the_grace_period_cancels_and_exits_0() {
     let whole = format!("{head}{}", String::from_utf8_lossy(&rest));
     let events = common::http::Response::parse(whole.as_bytes()).events();
     let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
-    assert_eq!(last["error"]["type"], "shutting_down", "{events:?}");
+    assert_eq!(
+        last["error"]["type"],
+        "shutting_down",
+        "the stream should end with an error event; its last events: {:?}",
+        &events[events.len().saturating_sub(3)..]
+    );
     assert!(
         events.len() < 150,
         "cancelled long before its 200 tokens: {}",
@@ -555,4 +560,102 @@ fn sigterm_past_the_grace_period_cancels_and_exits_0() {
         "{:?}",
         signalled.elapsed()
     );
+}
+
+/// The demo model behind emulated hard-disk reads: a document takes about a second.
+fn slow_demo_server(dir: &Path, extra: &[&str]) -> Server {
+    let bundle = common::convert_to(&common::demo_checkpoint(), dir);
+    let mut args = vec![
+        "--model",
+        bundle.to_str().unwrap(),
+        "--profile",
+        "jetson-tx2-hdd",
+        "--device",
+        "cpu",
+        "--storage",
+        "emulate",
+    ];
+    args.extend(extra);
+    Server::spawn(&args, &[])
+}
+
+#[test]
+fn a_summary_whose_client_leaves_is_cancelled_running_or_queued() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = slow_demo_server(
+        dir.path(),
+        &["--no-prefetch", "--buffer-experts", "2", "--queue", "1"],
+    );
+    server.wait_healthy(Duration::from_secs(120));
+    // Twelve documents: many seconds of work, with no token sent back until the end.
+    let documents: Vec<String> = (0..4).flat_map(|_| dialogues()).collect();
+    let body = json!({"documents": documents, "max_new_tokens": 60}).to_string();
+    let running = server.send("POST", "/v1/summarize", &[], &body);
+    server.wait_metric("edgemoe_requests_running", 1.0, 30);
+    let queued = server.send("POST", "/v1/summarize", &[], &body);
+    server.wait_metric("edgemoe_queue_depth", 1.0, 30);
+    std::thread::sleep(Duration::from_millis(300));
+
+    // Both clients leave: the running summary stops at its next token, the queued one never
+    // starts.
+    let left = Instant::now();
+    drop(queued);
+    drop(running);
+    server.wait_metric(
+        "edgemoe_requests_cancelled_total{reason=\"disconnect\"}",
+        2.0,
+        60,
+    );
+    server.wait_metric("edgemoe_requests_running", 0.0, 10);
+    assert!(
+        left.elapsed() < Duration::from_secs(4),
+        "both cancelled only {:?} after their clients left",
+        left.elapsed()
+    );
+    assert_eq!(server.metric("edgemoe_queue_depth"), Some(0.0));
+    assert_eq!(
+        server.metric("edgemoe_requests_total{endpoint=\"/v1/summarize\",status=\"200\"}"),
+        None,
+        "no summary was finished"
+    );
+}
+
+#[test]
+fn health_answers_503_while_the_model_loads_and_a_failed_load_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    // `io-free` reads every expert at load: paced to a hard disk, that takes a second or two.
+    let server = slow_demo_server(dir.path(), &["--mode", "io-free"]);
+    let health = server.get("/health");
+    assert_eq!(health.status, 503, "{}", health.body);
+    assert_eq!(health.json()["status"], "loading");
+    let early = server.post("/v1/summarize", r#"{"documents": ["Anna: hi"]}"#);
+    early.assert_error(503, "loading", &["still loading", "/health"]);
+    assert!(early.header("retry-after").is_some());
+    server.wait_healthy(Duration::from_secs(120));
+    assert_eq!(server.get("/health").json()["status"], "ok");
+    assert_eq!(
+        server
+            .post(
+                "/v1/summarize",
+                r#"{"documents": ["Anna: hi\nTom: hello"], "max_new_tokens": 4}"#
+            )
+            .status,
+        200
+    );
+
+    // A model that cannot load (the budget is too small) ends the server with its error.
+    let bundle = dir.path().join("bundle");
+    let out = common::cli::run_within(
+        &[
+            "serve",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--port",
+            "0",
+            "--budget",
+            "1MiB",
+        ],
+        60,
+    );
+    common::cli::assert_fails(&out, &["memory budget", "too small"]);
 }

@@ -23,6 +23,14 @@ impl Server {
     /// Starts `edgemoe serve --port 0 args…` (with `env` set) and waits for it to print its
     /// address and for `/health` to answer 200.
     pub fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let server = Server::spawn(args, env);
+        server.wait_healthy(Duration::from_secs(120));
+        server
+    }
+
+    /// Starts `edgemoe serve --port 0 args…` and returns once it has printed its address (the
+    /// model may still be loading).
+    pub fn spawn(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"));
         command
             .arg("serve")
@@ -64,17 +72,15 @@ impl Server {
                 );
             }
         };
-        let server = Server {
+        Server {
             child,
             addr,
             stderr,
             auth: Vec::new(),
-        };
-        server.wait_healthy(Duration::from_secs(120));
-        server
+        }
     }
 
-    fn wait_healthy(&self, within: Duration) {
+    pub fn wait_healthy(&self, within: Duration) {
         let start = Instant::now();
         loop {
             if let Ok(response) = self.try_request("GET", "/health", &[], "") {
