@@ -52,6 +52,8 @@ const REQUEST_S_BUCKETS: [f64; 12] = [
 ];
 /// Requests the dashboard lists.
 const RECENT_REQUESTS: usize = 20;
+/// Points of the dashboard's history: one per second at most, the last ten minutes' worth.
+const HISTORY_POINTS: usize = 600;
 
 /// A cumulative histogram in Prometheus' form.
 #[derive(Debug, Clone, Serialize)]
@@ -118,6 +120,21 @@ pub struct RequestRecord {
     pub at_s: f64,
 }
 
+/// The cumulative counters at one moment, for the dashboard's charts over time (kept by the
+/// server, so that a page opened late still shows what happened).
+#[derive(Debug, Clone, Serialize)]
+pub struct HistoryPoint {
+    /// Seconds since the server started.
+    pub t_s: f64,
+    pub hit_ratio: f64,
+    pub expert_accesses: u64,
+    pub hits: u64,
+    pub bytes_read: u64,
+    pub decode_steps: u64,
+    pub decode_ms: f64,
+    pub tokens_generated: u64,
+}
+
 /// Expert-buffer slots holding an expert of one MoE layer.
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerSlots {
@@ -141,6 +158,7 @@ struct Counters {
     engine: Option<RunStats>,
     slots: Vec<Option<ExpertId>>,
     recent: VecDeque<RequestRecord>,
+    history: VecDeque<HistoryPoint>,
 }
 
 /// The service's counters, shared by the HTTP handlers and the engine thread.
@@ -178,6 +196,7 @@ impl Metrics {
                 engine: None,
                 slots: Vec::new(),
                 recent: VecDeque::new(),
+                history: VecDeque::new(),
             }),
         }
     }
@@ -301,7 +320,30 @@ impl Metrics {
             .as_buffer()
             .map(|b| b.slot_contents())
             .unwrap_or_default();
+        let t_s = self.started.elapsed().as_secs_f64();
         let mut counters = self.counters();
+        let point = HistoryPoint {
+            t_s,
+            hit_ratio: stats.hit_ratio,
+            expert_accesses: stats.expert_accesses,
+            hits: stats.hits,
+            bytes_read: stats.bytes_read,
+            decode_steps: counters.decode_steps,
+            decode_ms: counters.decode_ms,
+            tokens_generated: counters.tokens_generated,
+        };
+        // One point per second at most: the last one of each second stands for it.
+        if counters
+            .history
+            .back()
+            .is_some_and(|last| t_s - last.t_s < 1.0)
+        {
+            counters.history.pop_back();
+        }
+        counters.history.push_back(point);
+        if counters.history.len() > HISTORY_POINTS {
+            counters.history.pop_front();
+        }
         counters.engine = Some(stats);
         counters.slots = slots;
     }
@@ -350,6 +392,7 @@ impl Metrics {
             peak_rss_bytes: peak_rss_bytes(),
             engine,
             recent: counters.recent.iter().cloned().collect(),
+            history: counters.history.iter().cloned().collect(),
         }
     }
 
@@ -617,4 +660,6 @@ pub struct Snapshot {
     /// The expert cache so far, as `--stats-json` writes it (`null` until the model is loaded).
     pub engine: Option<RunStats>,
     pub recent: Vec<RequestRecord>,
+    /// The counters over time, oldest first (see [`HistoryPoint`]).
+    pub history: Vec<HistoryPoint>,
 }
