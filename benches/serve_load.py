@@ -106,6 +106,9 @@ def main():
                 break
         except OSError:
             pass
+        if server.poll() is not None:
+            time.sleep(0.5)
+            sys.exit(f"edgemoe serve exited with {server.returncode}:\n" + "".join(log))
         if time.time() - started > 300:
             sys.exit("server not healthy after 300 s")
         time.sleep(0.2)

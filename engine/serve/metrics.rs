@@ -336,7 +336,7 @@ impl Metrics {
         if counters
             .history
             .back()
-            .is_some_and(|last| t_s - last.t_s < 1.0)
+            .is_some_and(|last| last.t_s.floor() == t_s.floor())
         {
             counters.history.pop_back();
         }
