@@ -265,6 +265,15 @@ fn streamed_completions_equal_generate_on_every_decoder_architecture() {
                 "wrong_model",
                 &["/v1/summarize", "decoder-only", "/v1/completions"],
             );
+        // A prompt longer than the server takes (the fixtures' 256 positions) is refused.
+        let long: Vec<i64> = vec![5; 300];
+        server
+            .post("/v1/completions", &json!({ "prompt": long }).to_string())
+            .assert_error(
+                400,
+                "invalid_request",
+                &["300 tokens", "--limit-input-tokens"],
+            );
         // A prompt of ids outside the vocabulary is refused by name, not a crash.
         server
             .post("/v1/completions", r#"{"prompt": [1, 99999999]}"#)
@@ -658,4 +667,30 @@ fn health_answers_503_while_the_model_loads_and_a_failed_load_exits_1() {
         60,
     );
     common::cli::assert_fails(&out, &["memory budget", "too small"]);
+}
+
+#[test]
+fn flags_are_checked_and_a_busy_port_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::convert_to(&common::fixture("tiny-tied-e4"), dir.path());
+    let b = bundle.to_str().unwrap();
+    for (flag, value, needle) in [
+        ("--queue", "0", "at least 1"),
+        ("--request-timeout", "0", "number of seconds"),
+        ("--shutdown-grace", "never", "number of seconds"),
+        ("--limit-body", "lots", "--limit-body"),
+        ("--port", "70000", "--port"),
+    ] {
+        let out = common::cli::run(&["serve", "--model", b, flag, value], None);
+        common::cli::assert_usage(&out, &[needle]);
+    }
+    let out = common::cli::run(&["serve", "--model", b, "--api-key", " spaced "], None);
+    common::cli::assert_usage(&out, &["whitespace"]);
+
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let out = common::cli::run_within(&["serve", "--model", b, "--port", &port], 60);
+    common::cli::assert_fails(&out, &[&format!("127.0.0.1:{port}"), "in use"]);
+    let out = common::cli::run_within(&["serve", "--model", "/nonexistent/bundle"], 60);
+    common::cli::assert_fails(&out, &["/nonexistent/bundle"]);
 }

@@ -421,3 +421,126 @@ pub fn finish_reason(tokens: &[i64], decode: &DecodeOptions) -> &'static str {
         _ => "length",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EarlyStopping;
+
+    fn defaults() -> GenerationDefaults {
+        GenerationDefaults {
+            decoder_start_token_id: 0,
+            eos_token_id: 1,
+            pad_token_id: 0,
+            max_new_tokens: 64,
+            num_beams: 1,
+            length_penalty: 1.0,
+            early_stopping: EarlyStopping::False,
+            no_repeat_ngram_size: 0,
+            max_source_tokens: 512,
+            input_prefix: "summarize: ".into(),
+            stop_token_ids: vec![1],
+        }
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            body_bytes: 1 << 20,
+            documents: 4,
+            input_tokens: 256,
+            new_tokens: 100,
+            beams: 4,
+            deadline: std::time::Duration::from_secs(60),
+        }
+    }
+
+    fn summarize(json: &str) -> Result<SummarizeTask, ApiError> {
+        serde_json::from_str::<SummarizeRequest>(json)
+            .map_err(|e| ApiError::from_json(&e))?
+            .check(&defaults(), &limits())
+    }
+
+    fn complete(json: &str) -> Result<CompletionTask, ApiError> {
+        serde_json::from_str::<CompletionRequest>(json)
+            .map_err(|e| ApiError::from_json(&e))?
+            .check(&defaults(), &limits())
+    }
+
+    #[test]
+    fn summaries_take_the_bundle_defaults_and_the_server_limits() {
+        let task = summarize(r#"{"documents": ["a"]}"#).unwrap();
+        assert_eq!(task.decode.max_new_tokens, 64);
+        assert_eq!(task.decode.num_beams, 1);
+        // The model's 512 source tokens, cut to what the server's working memory allows.
+        assert_eq!(task.max_source_tokens, 256);
+        let task = summarize(r#"{"documents": ["a"], "beams": 3, "max_new_tokens": 7}"#).unwrap();
+        assert_eq!((task.decode.num_beams, task.decode.max_new_tokens), (3, 7));
+        let error = summarize(r#"{"documents": ["a"], "max_source_tokens": 300}"#).unwrap_err();
+        assert_eq!(error.kind, "limit_exceeded");
+        assert!(error.message.contains("--limit-input-tokens"), "{error:?}");
+        let error = summarize(r#"{"documents": ["a"], "beams": 0}"#).unwrap_err();
+        assert_eq!(error.kind, "invalid_request");
+        let error = summarize(r#"{"documents": ["a"], "top_k": 5}"#).unwrap_err();
+        assert_eq!(error.kind, "unknown_field");
+        assert!(error.message.contains("`top_k`"), "{error:?}");
+    }
+
+    #[test]
+    fn completions_sample_as_generate_does() {
+        let greedy = complete(r#"{"prompt": "x"}"#).unwrap();
+        assert_eq!(greedy.decode.sampling, Sampling::Greedy);
+        assert!(!greedy.stream);
+        let zero = complete(r#"{"prompt": "x", "temperature": 0, "top_p": 0.5}"#).unwrap();
+        assert_eq!(zero.decode.sampling, Sampling::Greedy);
+        let top_p = complete(r#"{"prompt": [1, 2], "top_p": 0.9, "max_new_tokens": 5}"#).unwrap();
+        assert_eq!(
+            top_p.decode.sampling,
+            Sampling::TopP {
+                temperature: 1.0,
+                top_p: 0.9,
+                seed: 0
+            }
+        );
+        assert_eq!(top_p.decode.max_new_tokens, 5);
+        let warm = complete(r#"{"prompt": "x", "temperature": 0.7, "seed": 9}"#).unwrap();
+        assert_eq!(
+            warm.decode.sampling,
+            Sampling::TopP {
+                temperature: 0.7,
+                top_p: 1.0,
+                seed: 9
+            }
+        );
+        for (json, needle) in [
+            (r#"{"prompt": "x", "temperature": -1}"#, "`temperature`"),
+            (r#"{"prompt": "x", "top_p": 1.5}"#, "`top_p`"),
+            (r#"{"prompt": "x", "n": 2}"#, "`n`"),
+            (r#"{"prompt": ""}"#, "`prompt` is empty"),
+            (
+                r#"{"prompt": "x", "max_tokens": 101}"#,
+                "--limit-new-tokens",
+            ),
+        ] {
+            let error = complete(json).unwrap_err();
+            assert!(error.message.contains(needle), "{json}: {error:?}");
+        }
+    }
+
+    #[test]
+    fn a_chat_is_one_plain_prompt() {
+        let messages = [
+            ChatMessage {
+                role: "system".into(),
+                content: "Be brief.".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "Hi".into(),
+            },
+        ];
+        assert_eq!(
+            chat_prompt(&messages),
+            "system: Be brief.\nuser: Hi\nassistant:"
+        );
+    }
+}

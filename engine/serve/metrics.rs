@@ -663,3 +663,48 @@ pub struct Snapshot {
     /// The counters over time, oldest first (see [`HistoryPoint`]).
     pub history: Vec<HistoryPoint>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_in_the_text() {
+        let mut h = Histogram::new(&STEP_MS_BUCKETS);
+        for ms in [0.5, 3.0, 3.0, 40.0, 9000.0] {
+            h.observe(ms);
+        }
+        let mut out = String::new();
+        h.write(&mut out, "x", "help");
+        assert!(out.contains("x_bucket{le=\"1\"} 1\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"5\"} 3\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"50\"} 4\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"5000\"} 4\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 5\n"), "{out}");
+        assert!(
+            out.contains("x_count 5\n") && out.contains("x_sum 9046.5\n"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn labels_are_escaped() {
+        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn retry_after_is_at_least_a_second_and_at_most_a_minute() {
+        let metrics = Metrics::new(
+            ModelInfo {
+                name: "m".into(),
+                architecture: "a".into(),
+                kind: "decoder-only",
+                profile: None,
+            },
+            2,
+        );
+        assert_eq!(metrics.retry_after_s(), 1);
+        metrics.counters().request_s.observe(500.0);
+        assert_eq!(metrics.retry_after_s(), 60);
+    }
+}
