@@ -81,13 +81,25 @@ fn the_dashboard_draws_the_cache_after_a_request() {
         &[],
     );
     server.auth = vec![("Authorization".into(), "Bearer dash-key".into())];
-    let answered = server.request(
-        "POST",
-        "/v1/summarize",
-        &[("Authorization", "Bearer dash-key")],
-        r#"{"documents": ["Anna: lunch at noon?\nTom: sure, see you there."], "max_new_tokens": 8}"#,
-    );
-    assert_eq!(answered.status, 200, "{}", answered.body);
+    // Two requests in different seconds: two points of history, so the charts over time have
+    // a point between them.
+    for _ in 0..2 {
+        let answered = server.request(
+            "POST",
+            "/v1/summarize",
+            &[("Authorization", "Bearer dash-key")],
+            r#"{"documents": ["Anna: lunch at noon?\nTom: sure, see you there."], "max_new_tokens": 8}"#,
+        );
+        assert_eq!(answered.status, 200, "{}", answered.body);
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+    }
+    let history = server
+        .request("GET", "/stats", &[("Authorization", "Bearer dash-key")], "")
+        .json()["history"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(history >= 2, "{history} points of history");
 
     // The key travels in the URL's fragment, which the page reads and the browser never sends.
     let url = format!("http://{}/#key=dash-key", server.addr);
@@ -101,7 +113,12 @@ fn the_dashboard_draws_the_cache_after_a_request() {
     for chart in ["c-hit", "c-ms", "c-read", "c-slots"] {
         assert!(points(&dom, chart) > 0, "chart #{chart} is empty:\n{dom}");
     }
-    assert!(dom.contains("<td>summarize</td><td>200</td>"), "{dom}");
+    assert!(points(&dom, "c-hit") >= 2, "hit ratio over time:\n{dom}");
+    assert_eq!(
+        dom.matches("<td>summarize</td><td>200</td>").count(),
+        2,
+        "the last requests:\n{dom}"
+    );
 
     // Without the key the page says what is wrong instead of drawing.
     let dom = headless(
