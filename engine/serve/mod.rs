@@ -1,7 +1,8 @@
 //! `edgemoe serve`: the long-running service. One model instance, loaded once on the engine
 //! thread ([`worker`]); HTTP clients ([`routes`]) reach it through a bounded queue; the
 //! service counts what it and the expert cache do ([`metrics`]) and shows it on a dashboard.
-//! Request and response JSON, limits and errors are in [`api`].
+//! Request and response JSON, limits and errors are in [`api`]; the completion endpoints'
+//! OpenAI shapes and event streams in [`completions`].
 //!
 //! Lifecycle: bind (the address is printed on standard error: `listening on http://ADDR`),
 //! load the model while `/health` answers 503, serve; on SIGTERM (or SIGINT/SIGHUP) stop
@@ -10,6 +11,7 @@
 //! 0. A second signal ends the process at once.
 
 pub mod api;
+pub mod completions;
 pub mod metrics;
 pub mod routes;
 pub mod worker;

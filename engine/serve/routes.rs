@@ -1,5 +1,6 @@
-//! The HTTP side: routes, the bearer-token check, request parsing and the queue hand-off, and
-//! the responses (JSON, or server-sent events for `"stream": true`).
+//! The HTTP side: routes, the bearer-token check, request parsing and the queue hand-off,
+//! health, metrics and summaries. The completion endpoints' OpenAI shapes and event streams are
+//! in [`super::completions`].
 //!
 //! A request that runs the model is checked (token, model kind, body size, JSON, limits) and
 //! then offered to the bounded queue without waiting: a full queue answers 503 at once. While
@@ -8,17 +9,15 @@
 //! token.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::sse::{Event, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -30,10 +29,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::config::GenerationDefaults;
 use crate::generation::decoding::Cancellation;
 
-use super::api::{
-    ApiError, ChatRequest, CompletionRequest, CompletionTask, Limits, Stopped, SummarizeRequest,
-    SummarizeResponse,
-};
+use super::api::{ApiError, Limits, Stopped, SummarizeRequest, SummarizeResponse};
+use super::completions;
 use super::metrics::{Endpoint, Metrics};
 use super::worker::{Job, Reply, Task};
 
@@ -86,8 +83,8 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     let guarded = Router::new()
         .route("/v1/summarize", post(summarize))
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/metrics", get(metrics))
         .route("/stats", get(stats))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
@@ -193,7 +190,7 @@ async fn stats(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// The body as `T`, or the error that names what was wrong with it.
-fn parse<T: DeserializeOwned>(
+pub(super) fn parse<T: DeserializeOwned>(
     state: &AppState,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
@@ -215,7 +212,7 @@ fn parse<T: DeserializeOwned>(
 }
 
 /// Fails unless the server's model is the kind `endpoint` needs.
-fn expect_kind(state: &AppState, endpoint: Endpoint) -> Result<(), ApiError> {
+pub(super) fn expect_kind(state: &AppState, endpoint: Endpoint) -> Result<(), ApiError> {
     let wants_encoder_decoder = endpoint == Endpoint::Summarize;
     if wants_encoder_decoder == state.encoder_decoder {
         return Ok(());
@@ -251,7 +248,7 @@ fn expect_kind(state: &AppState, endpoint: Endpoint) -> Result<(), ApiError> {
 
 /// Cancels its request when dropped before [`CancelOnDrop::finish`]: the handler or event
 /// stream holding it was dropped because the client went away. Always unregisters it.
-struct CancelOnDrop {
+pub(super) struct CancelOnDrop {
     state: Arc<AppState>,
     id: u64,
     request: InFlight,
@@ -259,7 +256,7 @@ struct CancelOnDrop {
 }
 
 impl CancelOnDrop {
-    fn finish(&mut self) {
+    pub(super) fn finish(&mut self) {
         self.finished = true;
     }
 }
@@ -274,7 +271,7 @@ impl Drop for CancelOnDrop {
 }
 
 /// Offers a task to the queue without waiting.
-fn enqueue(
+pub(super) fn enqueue(
     state: &Arc<AppState>,
     id: u64,
     endpoint: Endpoint,
@@ -344,7 +341,7 @@ fn enqueue(
 }
 
 /// Answers a refusal (counted here: it never reached the engine), with `Retry-After` on 503.
-fn refused(state: &AppState, id: u64, endpoint: Endpoint, error: ApiError) -> Response {
+pub(super) fn refused(state: &AppState, id: u64, endpoint: Endpoint, error: ApiError) -> Response {
     state.metrics.refused(id, endpoint, error.status);
     let retry = error.status == 503;
     let mut response = error.into_response();
@@ -357,7 +354,7 @@ fn refused(state: &AppState, id: u64, endpoint: Endpoint, error: ApiError) -> Re
     response
 }
 
-fn internal(what: &str) -> Response {
+pub(super) fn internal(what: &str) -> Response {
     ApiError::new(
         500,
         "engine_error",
@@ -391,245 +388,4 @@ async fn summarize(
         Some(Reply::Failed(error)) => error.into_response(),
         _ => internal("no summaries"),
     }
-}
-
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
-    let endpoint = Endpoint::Completions;
-    let task = expect_kind(&state, endpoint)
-        .and_then(|()| parse::<CompletionRequest>(&state, body))
-        .and_then(|request| request.check(&state.defaults, &state.limits));
-    complete(state, id, endpoint, task).await
-}
-
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
-    let endpoint = Endpoint::ChatCompletions;
-    let task = expect_kind(&state, endpoint)
-        .and_then(|()| parse::<ChatRequest>(&state, body))
-        .and_then(|request| request.check(&state.defaults, &state.limits));
-    complete(state, id, endpoint, task).await
-}
-
-/// The OpenAI-shaped pieces of one completion's answer.
-struct CompletionShape {
-    id: String,
-    created: u64,
-    model: String,
-    chat: bool,
-}
-
-impl CompletionShape {
-    fn new(id: u64, model: &str, chat: bool) -> Self {
-        CompletionShape {
-            id: format!("{}-{id}", if chat { "chatcmpl" } else { "cmpl" }),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            model: model.to_string(),
-            chat,
-        }
-    }
-
-    /// One choice carrying `text` (a delta when streaming a chat).
-    fn choice(
-        &self,
-        text: &str,
-        ids: &[i64],
-        finish_reason: Option<&str>,
-        stream: bool,
-        first: bool,
-    ) -> serde_json::Value {
-        let mut choice = json!({"index": 0, "token_ids": ids, "finish_reason": finish_reason});
-        if !self.chat {
-            choice["text"] = json!(text);
-            choice["logprobs"] = serde_json::Value::Null;
-        } else if stream {
-            choice["delta"] = if first {
-                json!({"role": "assistant", "content": text})
-            } else {
-                json!({"content": text})
-            };
-        } else {
-            choice["message"] = json!({"role": "assistant", "content": text});
-        }
-        choice
-    }
-
-    fn object(&self, stream: bool) -> &'static str {
-        match (self.chat, stream) {
-            (false, _) => "text_completion",
-            (true, false) => "chat.completion",
-            (true, true) => "chat.completion.chunk",
-        }
-    }
-
-    fn body(&self, choice: serde_json::Value, stream: bool) -> serde_json::Value {
-        json!({
-            "id": self.id,
-            "object": self.object(stream),
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
-    }
-}
-
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> serde_json::Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    })
-}
-
-async fn complete(
-    state: Arc<AppState>,
-    id: u64,
-    endpoint: Endpoint,
-    task: Result<CompletionTask, ApiError>,
-) -> Response {
-    let (stream, chat) = match &task {
-        Ok(task) => (task.stream, task.chat),
-        Err(_) => (false, false),
-    };
-    let queued = task.and_then(|task| enqueue(&state, id, endpoint, Task::Complete(task)));
-    let (mut replies, mut guard) = match queued {
-        Ok(queued) => queued,
-        Err(error) => return refused(&state, id, endpoint, error),
-    };
-    // The first reply says whether the prompt was taken: an error is still a plain JSON
-    // answer with its status, before any event is sent.
-    let prompt_tokens = match replies.recv().await {
-        Some(Reply::Started { prompt_tokens }) => prompt_tokens,
-        Some(Reply::Failed(error)) => {
-            guard.finish();
-            return error.into_response();
-        }
-        _ => {
-            guard.finish();
-            return internal("no start");
-        }
-    };
-    let shape = CompletionShape::new(id, &state.metrics.model.name, chat);
-    if stream {
-        return event_stream(replies, guard, shape, prompt_tokens);
-    }
-    let mut text = String::new();
-    let mut ids = Vec::new();
-    loop {
-        match replies.recv().await {
-            Some(Reply::Token { id, text: piece }) => {
-                ids.push(id);
-                text.push_str(&piece);
-            }
-            Some(Reply::Finished {
-                text: rest,
-                completion_tokens,
-                finish_reason,
-            }) => {
-                guard.finish();
-                text.push_str(&rest);
-                let mut body = shape.body(
-                    shape.choice(&text, &ids, Some(finish_reason), false, true),
-                    false,
-                );
-                body["usage"] = usage(prompt_tokens, completion_tokens);
-                return Json(body).into_response();
-            }
-            Some(Reply::Failed(error)) => {
-                guard.finish();
-                return error.into_response();
-            }
-            _ => {
-                guard.finish();
-                return internal("completion cut short");
-            }
-        }
-    }
-}
-
-/// The completion as server-sent events, OpenAI's way: one `data: {chunk}` per token, a last
-/// chunk with `finish_reason` and `usage`, then `data: [DONE]`. An error after the first
-/// event is sent as `data: {"error": …}` and ends the stream.
-fn event_stream(
-    replies: UnboundedReceiver<Reply>,
-    guard: CancelOnDrop,
-    shape: CompletionShape,
-    prompt_tokens: usize,
-) -> Response {
-    struct StreamState {
-        replies: UnboundedReceiver<Reply>,
-        guard: CancelOnDrop,
-        shape: CompletionShape,
-        prompt_tokens: usize,
-        first: bool,
-        /// The last chunk went out: `[DONE]` is next.
-        finished: bool,
-        done: bool,
-    }
-    let start = StreamState {
-        replies,
-        guard,
-        shape,
-        prompt_tokens,
-        first: true,
-        finished: false,
-        done: false,
-    };
-    let events = futures_util::stream::unfold(start, |mut s| async move {
-        if s.done {
-            s.guard.finish();
-            return None;
-        }
-        if s.finished {
-            s.done = true;
-            return Some((Ok(Event::default().data("[DONE]")), s));
-        }
-        let event = match s.replies.recv().await {
-            Some(Reply::Token { id, text }) => {
-                let choice = s.shape.choice(&text, &[id], None, true, s.first);
-                s.first = false;
-                Event::default().data(s.shape.body(choice, true).to_string())
-            }
-            Some(Reply::Finished {
-                text,
-                completion_tokens,
-                finish_reason,
-            }) => {
-                let choice = s
-                    .shape
-                    .choice(&text, &[], Some(finish_reason), true, s.first);
-                let mut body = s.shape.body(choice, true);
-                body["usage"] = usage(s.prompt_tokens, completion_tokens);
-                s.finished = true;
-                Event::default().data(body.to_string())
-            }
-            Some(Reply::Failed(error)) => {
-                s.done = true;
-                Event::default().data(error.body().to_string())
-            }
-            other => {
-                s.done = true;
-                let what = if other.is_none() {
-                    "the engine thread stopped answering"
-                } else {
-                    "unexpected reply"
-                };
-                Event::default().data(
-                    ApiError::new(500, "engine_error", format!("internal error: {what}"))
-                        .body()
-                        .to_string(),
-                )
-            }
-        };
-        Some((Ok::<Event, Infallible>(event), s))
-    });
-    Sse::new(events).into_response()
 }
