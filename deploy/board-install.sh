@@ -11,13 +11,19 @@
 #                      (rpi5-sd, jetson-orin-nano-nvme...), a built-in name, or a TOML file
 #   --budget SIZE      the engine's memory budget, --budget (default: the profile's, else 1.5GiB)
 #   --device DEVICE    cpu or cuda, --device (default: the profile's, else cpu)
-#   --memory-max SIZE  the service's MemoryMax= (default: the budget plus 512 MiB)
+#   --memory-max SIZE  the units' MemoryMax= (default: the budget plus 512 MiB)
+#   --serve            enable and start edgemoe-serve.service, the long-running HTTP service
+#                      (`edgemoe serve`), now and at every boot
+#   --host HOST        the address it listens on (default 127.0.0.1: loopback only)
+#   --port N           its port (default 8080)
 #   --root DIR         install into a root filesystem mounted at DIR (e.g. a board's SD card)
 #                      instead of /: no systemctl, no trial run
 #
 # It replaces an earlier install in place (keeping bundles the new package does not carry),
-# installs edgemoe.service with a drop-in for the budget, creates the spool directory
-# /var/spool/edgemoe, reloads systemd, and checks that the binary loads its libraries.
+# installs edgemoe.service (the on-demand job) and edgemoe-serve.service (the service), each
+# with a drop-in for the model and the budget, creates the spool directory /var/spool/edgemoe,
+# reloads systemd, and checks that the binary loads its libraries; with --serve it starts the
+# service and waits until it answers /health.
 set -euo pipefail
 
 say() { echo "[board-install] $*" >&2; }
@@ -34,6 +40,9 @@ budget=""
 device=""
 memory_max=""
 dest=""
+serve=""
+host=127.0.0.1
+port=8080
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --prefix) prefix="${2:?}"; shift 2 ;;
@@ -43,6 +52,9 @@ while [ "$#" -gt 0 ]; do
     --device) device="${2:?}"; shift 2 ;;
     --memory-max) memory_max="${2:?}"; shift 2 ;;
     --root) dest="${2:?}"; shift 2 ;;
+    --serve) serve=1; shift ;;
+    --host) host="${2:?}"; shift 2 ;;
+    --port) port="${2:?}"; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) [ -z "$tarball" ] || die "one tarball only"; tarball="$1"; shift ;;
@@ -124,20 +136,33 @@ if [ -z "$memory_max" ]; then
 fi
 
 unit_dir="$dest/etc/systemd/system"
-mkdir -p "$unit_dir/edgemoe.service.d" "$dest/var/spool/edgemoe"
-sed "s|/opt/edgemoe|$prefix|g" "$target_dir/edgemoe.service" >"$unit_dir/edgemoe.service"
-cat >"$unit_dir/edgemoe.service.d/budget.conf" <<EOF
-# Written by board-install.sh; run it again with other options to change these.
-[Service]
-Environment=EDGEMOE_MODEL=$model
-Environment=EDGEMOE_PROFILE=$profile
-Environment=EDGEMOE_BUDGET=$budget
-Environment=EDGEMOE_DEVICE=$device
-MemoryMax=$memory_max
-EOF
-say "installed $unit_dir/edgemoe.service: model $model, profile ${profile:-none}," \
-  "budget ${budget:-from the profile, else 1.5GiB}, device ${device:-from the profile, else cpu}," \
-  "MemoryMax=$memory_max"
+mkdir -p "$dest/var/spool/edgemoe"
+units=(edgemoe.service)
+# Packages made before the service existed carry only the job's unit.
+[ -f "$target_dir/edgemoe-serve.service" ] && units+=(edgemoe-serve.service)
+if [ -n "$serve" ] && [ ! -f "$target_dir/edgemoe-serve.service" ]; then
+  die "--serve: this package has no edgemoe-serve.service (make it again with deploy/package.sh)"
+fi
+for unit in "${units[@]}"; do
+  mkdir -p "$unit_dir/$unit.d"
+  sed "s|/opt/edgemoe|$prefix|g" "$target_dir/$unit" >"$unit_dir/$unit"
+  {
+    echo "# Written by board-install.sh; run it again with other options to change these."
+    echo "[Service]"
+    echo "Environment=EDGEMOE_MODEL=$model"
+    echo "Environment=EDGEMOE_PROFILE=$profile"
+    echo "Environment=EDGEMOE_BUDGET=$budget"
+    echo "Environment=EDGEMOE_DEVICE=$device"
+    if [ "$unit" = edgemoe-serve.service ]; then
+      echo "Environment=EDGEMOE_HOST=$host"
+      echo "Environment=EDGEMOE_PORT=$port"
+    fi
+    echo "MemoryMax=$memory_max"
+  } >"$unit_dir/$unit.d/budget.conf"
+  say "installed $unit_dir/$unit: model $model, profile ${profile:-none}," \
+    "budget ${budget:-from the profile, else 1.5GiB}, device ${device:-from the profile, else cpu}," \
+    "MemoryMax=$memory_max"
+done
 
 if [ -z "$dest" ]; then
   if [ -d /run/systemd/system ]; then
@@ -152,5 +177,23 @@ if [ -z "$dest" ]; then
     fi
   fi
 fi
+if [ -n "$serve" ] && [ -n "$dest" ]; then
+  mkdir -p "$unit_dir/multi-user.target.wants"
+  ln -sfn ../edgemoe-serve.service "$unit_dir/multi-user.target.wants/edgemoe-serve.service"
+  say "edgemoe-serve.service enabled: it starts at the board's next boot"
+elif [ -n "$serve" ] && [ -d /run/systemd/system ]; then
+  systemctl enable edgemoe-serve.service
+  systemctl restart edgemoe-serve.service
+  # The model loads before /health answers 200: seconds on a Raspberry Pi.
+  for _ in $(seq 1 120); do
+    if curl -fsS "http://$host:$port/health" 2>/dev/null; then
+      echo
+      say "edgemoe-serve is up on http://$host:$port/ (journalctl -u edgemoe-serve: its log)"
+      exit 0
+    fi
+    sleep 1
+  done
+  die "edgemoe-serve did not answer http://$host:$port/health within 120 s: journalctl -u edgemoe-serve"
+fi
 say "next: put a document in /var/spool/edgemoe/input, then: systemctl start edgemoe;" \
-  "cat /var/lib/edgemoe/summaries.txt"
+  "cat /var/lib/edgemoe/summaries.txt; or the service: systemctl enable --now edgemoe-serve"

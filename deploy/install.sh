@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Installs edgemoe on a board over ssh: copies the package made by deploy/package.sh (rsync when
 # both ends have it, scp otherwise) and runs deploy/board-install.sh there with sudo, which
-# unpacks it into /opt/edgemoe and installs the systemd unit deploy/edgemoe.service.
+# unpacks it into /opt/edgemoe and installs the systemd units deploy/edgemoe.service (the
+# on-demand job) and deploy/edgemoe-serve.service (the long-running service).
 #
 #   deploy/install.sh [options] user@host
 #
 #   --tarball FILE     the package (default: the newest in target/aarch64/dist; when there is none,
 #                      deploy/package.sh makes one with bundles/switch-samsum-tiny if it exists)
 #   --port N           ssh port
-#   --profile, --budget, --device, --memory-max, --model, --prefix, --root
-#                      passed to board-install.sh (see `deploy/board-install.sh --help`)
+#   --profile, --budget, --device, --memory-max, --model, --prefix, --root, --host, --serve
+#                      passed to board-install.sh (see `deploy/board-install.sh --help`;
+#                      --serve starts the long-running service edgemoe-serve.service)
+#   --service-port N   the service's port (board-install.sh's --port; --port is ssh's)
 # EDGEMOE_SSH_OPTS     extra options for ssh, scp and rsync's ssh (e.g. "-i ~/.ssh/board")
 set -euo pipefail
 # shellcheck source=deploy/common.sh
@@ -23,10 +26,12 @@ while [ "$#" -gt 0 ]; do
   case "$1" in
     --tarball) tarball="${2:?}"; shift 2 ;;
     --port) port="${2:?}"; shift 2 ;;
-    --prefix | --model | --profile | --budget | --device | --memory-max | --root)
+    --prefix | --model | --profile | --budget | --device | --memory-max | --root | --host)
       remote_args+=("$1" "${2:?$1 needs a value}")
       shift 2
       ;;
+    --service-port) remote_args+=(--port "${2:?--service-port needs a value}"); shift 2 ;;
+    --serve) remote_args+=(--serve); shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) [ -z "$host" ] || die "one host only"; host="$1"; shift ;;

@@ -6,7 +6,8 @@
 #                    of the wheel's NVPL BLAS (ARMv8.1+ only) Debian's OpenBLAS behind two
 #                    stand-ins (deploy/fetch-libtorch-aarch64.sh, fetch_blas)
 #   licenses/        the licences of the OpenBLAS and libgfortran shipped in lib/
-#   edgemoe.service  the systemd unit that deploy/install.sh installs
+#   edgemoe.service  the systemd unit of the on-demand job that deploy/install.sh installs
+#   edgemoe-serve.service  the unit of the long-running service (`edgemoe serve`)
 #   profiles/        profiles/*.toml of the repository, when there are any
 #   bundles/NAME/    a converted model bundle, with --bundle
 #   MANIFEST         every file with its size and SHA-256
@@ -62,6 +63,7 @@ while read -r lib; do
   cp -L "$lib" "$stage/lib/"
 done <<<"$closure"
 install -m 644 "$root/deploy/edgemoe.service" "$stage/edgemoe.service"
+install -m 644 "$root/deploy/edgemoe-serve.service" "$stage/edgemoe-serve.service"
 mkdir -p "$stage/licenses"
 cp "$(fetch_blas "$cache")"/licenses/* "$stage/licenses/"
 

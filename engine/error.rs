@@ -2,8 +2,9 @@
 //! problem: which file, which tensor, which expert, what was expected and what was found. The
 //! variants say whose the problem is: the user's input or flags ([`Error::Input`]), a file that
 //! is not what it claims ([`Error::Format`], [`Error::Unsupported`], [`Error::Tensor`]), a
-//! damaged bundle ([`Error::Corrupt`], [`Error::Checksum`]), or the engine itself
-//! ([`Error::Internal`]: a broken invariant or a thread that died, never the user's doing).
+//! damaged bundle ([`Error::Corrupt`], [`Error::Checksum`]), a run stopped on purpose
+//! ([`Error::Cancelled`]), or the engine itself ([`Error::Internal`]: a broken invariant or a
+//! thread that died, never the user's doing).
 
 use std::path::PathBuf;
 
@@ -74,6 +75,11 @@ pub enum Error {
     /// options that do not go together.
     #[error("{0}")]
     Input(String),
+
+    /// A decoding call ended early on purpose: its client went away, its deadline passed, or
+    /// the service is shutting down (see `generation::decoding::Cancellation`).
+    #[error("cancelled: {0}")]
+    Cancelled(String),
 
     /// A failure of the engine itself (a broken invariant, a worker thread that stopped); not
     /// caused by the user's input.

@@ -12,6 +12,11 @@
 //!
 //! A guard does not remove anything when dropped: its owner removes the path in the ordinary
 //! way (a `Drop`, a `TempDir`); the guard only covers the interrupted case.
+//!
+//! A long-running command (`edgemoe serve`) stops on a signal in its own way instead: while its
+//! [`StopOnSignal`] guard lives, the first signal calls its handler (stop taking requests,
+//! finish or cancel what runs, exit 0) and the process keeps running; a second signal ends it
+//! as above, so a stuck shutdown can still be interrupted.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,6 +28,41 @@ const SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 /// What to remove on an interrupt, by guard id.
 static REGISTERED: Mutex<Vec<(u64, PathBuf)>> = Mutex::new(Vec::new());
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+/// What the first signal does instead of ending the process (see [`StopOnSignal`]).
+type StopHandler = Box<dyn FnOnce(libc::c_int) + Send>;
+static STOP_HANDLER: Mutex<Option<(u64, StopHandler)>> = Mutex::new(None);
+
+/// While this guard lives, the first SIGINT, SIGTERM or SIGHUP calls `handler` (on the signal
+/// thread) instead of ending the process; a later one ends it as usual. Only one handler is
+/// kept: a new guard replaces the previous one.
+#[must_use = "the handler is kept only while the guard lives"]
+pub struct StopOnSignal {
+    id: u64,
+}
+
+impl StopOnSignal {
+    pub fn new(handler: impl FnOnce(libc::c_int) + Send + 'static) -> Self {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        *stop_handler() = Some((id, Box::new(handler)));
+        StopOnSignal { id }
+    }
+}
+
+impl Drop for StopOnSignal {
+    fn drop(&mut self) {
+        let mut handler = stop_handler();
+        if handler.as_ref().is_some_and(|(id, _)| *id == self.id) {
+            *handler = None;
+        }
+    }
+}
+
+fn stop_handler() -> std::sync::MutexGuard<'static, Option<(u64, StopHandler)>> {
+    STOP_HANDLER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// Removes `path` (a file, or a folder with everything in it) if the process is interrupted
 /// while the guard lives.
@@ -78,6 +118,12 @@ pub fn install() {
             let mut signal: libc::c_int = 0;
             // SAFETY: waits on a valid set for one of its (blocked) signals.
             if unsafe { libc::sigwait(&set, &mut signal) } != 0 {
+                continue;
+            }
+            // Taken out, so that a second signal finds none and ends the process.
+            let stop = stop_handler().take();
+            if let Some((_, handler)) = stop {
+                handler(signal);
                 continue;
             }
             for (_, path) in registered().iter() {

@@ -25,9 +25,10 @@
 //!   [`bundle`], [`tokenizer`].
 //! - L4, [`generation`]: one session type for every architecture — open, summarize or generate,
 //!   report.
-//! - L5, once-per-model work and measurement: [`offline`] (convert, calibrate, tune bit widths,
-//!   eval, ROUGE with its Porter stemmer), [`bench`] (the modes × budgets matrix, its results
-//!   table and charts, the storage probe).
+//! - L5, once-per-model work, measurement and the service: [`offline`] (convert, calibrate, tune
+//!   bit widths, eval, ROUGE with its Porter stemmer), [`bench`] (the modes × budgets matrix, its
+//!   results table and charts, the storage probe), [`serve`] (`edgemoe serve`: the HTTP service,
+//!   its queue, engine thread, metrics and dashboard).
 //! - L6, the binary: `engine/cli/` (one file per command), compiled into `edgemoe` only.
 
 pub mod atomic;
@@ -55,5 +56,6 @@ pub mod generation;
 
 pub mod bench;
 pub mod offline;
+pub mod serve;
 
 pub use error::{Error, Result};

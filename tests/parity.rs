@@ -52,6 +52,7 @@ fn check_switch(name: &str, bundle: &Bundle) {
         eos_token_id: 1,
         sampling: Sampling::Greedy,
         stop_token_ids: vec![1],
+        cancellation: Default::default(),
     };
     let beam = DecodeOptions {
         num_beams: golden.beam.num_beams,

@@ -62,6 +62,7 @@ fn run(bundle: &Bundle, case: &Case) -> (Vec<i64>, Vec<Vec<f32>>) {
                 eos_token_id: 1,
                 sampling: Sampling::Greedy,
                 stop_token_ids: vec![1],
+                cancellation: Default::default(),
             };
             let tokens = generate(&model, &mut buffer, &case.input_ids, &options)
                 .unwrap()

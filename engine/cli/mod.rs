@@ -12,6 +12,7 @@ mod inspect;
 mod probe_storage;
 mod replay;
 mod rouge;
+mod serve;
 mod summarize;
 mod tune_bits;
 
@@ -58,6 +59,10 @@ enum Command {
     /// Continue a prompt with a decoder-only bundle (Mixtral, Qwen2-MoE, OLMoE) on a memory
     /// budget, printing tokens as they are produced (greedy unless --temperature/--top-p).
     Generate(generate::GenerateArgs),
+    /// Serve a bundle over HTTP: POST /v1/summarize (encoder-decoder bundles) or the
+    /// OpenAI-compatible /v1/completions and /v1/chat/completions (decoder-only), with
+    /// /health, Prometheus /metrics and a live dashboard at /.
+    Serve(serve::ServeArgs),
     /// Show a bundle's shape, resident and expert sizes, and expert bit widths (--verify: check
     /// every file and expert blob against its checksum).
     Inspect(inspect::InspectArgs),
@@ -86,6 +91,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Convert(args) => convert::run(args),
         Command::Summarize(args) => summarize::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Calibrate(args) => calibrate::run(args),
         Command::Replay(args) => replay::run(args),

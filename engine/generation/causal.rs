@@ -44,10 +44,12 @@ pub fn complete(
         Sampling::Greedy => None,
     };
     let mut cache = model.new_cache();
+    options.cancellation.check()?;
     let started = Instant::now();
     let mut logits = model.forward(prompt, &mut cache, provider, &mut out.routes)?; // [V]
     out.encode_ms = started.elapsed().as_secs_f64() * 1e3;
     for produced in 0..options.max_new_tokens {
+        options.cancellation.check()?;
         let step = Instant::now();
         if produced > 0 {
             let last = *out.tokens.last().expect("a token was produced");

@@ -1,7 +1,13 @@
 //! What one decoding call is asked ([`DecodeOptions`], defaults from the bundle's generation
-//! config) and what it gives back ([`Generation`]), whatever the model's shape.
+//! config), how it is stopped early ([`Cancellation`]) and what it gives back ([`Generation`]),
+//! whatever the model's shape.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
 
 use crate::config::{EarlyStopping, GenerationDefaults};
+use crate::error::{Error, Result};
 use crate::model::LayerRoute;
 
 use super::sampling::Sampling;
@@ -21,6 +27,9 @@ pub struct DecodeOptions {
     pub sampling: Sampling,
     /// Tokens that end a decoder-only generation (kept in the output).
     pub stop_token_ids: Vec<i64>,
+    /// Checked before the encoder pass or prefill and before every step: the call ends with
+    /// [`Error::Cancelled`] once it fires (never, by default).
+    pub cancellation: Cancellation,
 }
 
 impl DecodeOptions {
@@ -35,6 +44,52 @@ impl DecodeOptions {
             eos_token_id: g.eos_token_id,
             sampling: Sampling::Greedy,
             stop_token_ids: g.stop_token_ids.clone(),
+            cancellation: Cancellation::default(),
+        }
+    }
+}
+
+/// Ends a decoding call between two steps: the service cancels a request whose client went
+/// away, whose deadline passed, or that is still running when the service shuts down. Clones
+/// share one flag; the default has no deadline and fires only when [`Cancellation::cancel`] is
+/// called.
+#[derive(Debug, Clone, Default)]
+pub struct Cancellation {
+    cancelled: Arc<AtomicBool>,
+    deadline: Option<Instant>,
+}
+
+impl Cancellation {
+    /// A cancellation that also fires at `deadline`.
+    pub fn with_deadline(deadline: Instant) -> Self {
+        Cancellation {
+            cancelled: Arc::default(),
+            deadline: Some(deadline),
+        }
+    }
+
+    /// Fires the cancellation: every clone's next check fails.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Whether the deadline (if any) has passed.
+    pub fn deadline_passed(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// Fails with [`Error::Cancelled`] once cancelled or past the deadline.
+    pub fn check(&self) -> Result<()> {
+        if self.is_cancelled() {
+            Err(Error::Cancelled("the run was cancelled".into()))
+        } else if self.deadline_passed() {
+            Err(Error::Cancelled("the deadline passed".into()))
+        } else {
+            Ok(())
         }
     }
 }

@@ -80,12 +80,22 @@ pub struct RunStats {
 
 /// Peak resident set size of this process (`VmHWM`), 0 where `/proc` is unavailable.
 pub fn peak_rss_bytes() -> u64 {
+    proc_status_bytes("VmHWM:")
+}
+
+/// Resident set size of this process now (`VmRSS`), 0 where `/proc` is unavailable.
+pub fn rss_bytes() -> u64 {
+    proc_status_bytes("VmRSS:")
+}
+
+/// A `kB` line of `/proc/self/status`, in bytes.
+fn proc_status_bytes(key: &str) -> u64 {
     let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
         return 0;
     };
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .find_map(|line| line.strip_prefix(key))
         .and_then(|rest| {
             rest.trim()
                 .trim_end_matches("kB")

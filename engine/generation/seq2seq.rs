@@ -24,6 +24,7 @@ pub fn generate(
     options: &DecodeOptions,
 ) -> Result<Generation> {
     let _guard = tch::no_grad_guard();
+    options.cancellation.check()?;
     let mut out = Generation::default();
     let started = Instant::now();
     let encoded = model.encode(input_ids, provider, &mut out.routes)?;
@@ -73,6 +74,7 @@ fn greedy(
     let mut state = model.start_decoder(encoded, 1)?;
     let mut seq = vec![options.decoder_start_token_id];
     for _ in 0..options.max_new_tokens {
+        options.cancellation.check()?;
         let step = Instant::now();
         let last = *seq.last().expect("starts with the start token");
         // Token selection runs on the host (logits are [1, V]).
@@ -144,6 +146,7 @@ fn beam_search(
     let mut cur_len = 1usize;
 
     loop {
+        options.cancellation.check()?;
         let step = Instant::now();
         let last: Vec<i64> = running
             .iter()

@@ -245,6 +245,12 @@ impl ExpertBuffer {
         self.table.len()
     }
 
+    /// The expert each slot holds (or is being read into), slot by slot; `None` for an empty
+    /// slot (the service's dashboard draws the buffer from it).
+    pub fn slot_contents(&self) -> Vec<Option<ExpertId>> {
+        (0..self.table.len()).map(|s| self.table.holds(s)).collect()
+    }
+
     pub fn store(&self) -> &ExpertStore {
         &self.store
     }

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod engine;
 pub mod golden;
+pub mod http;
 
 use std::path::{Path, PathBuf};
 
