@@ -517,6 +517,20 @@ fn a_deadline_answers_504_and_sigterm_finishes_running_work_then_exits_0() {
     );
     let head = read_events(&mut streaming, 2);
     server.signal(libc::SIGTERM);
+    // No new request is taken: the listener is closed (or, racing it, the answer is a 503).
+    std::thread::sleep(Duration::from_millis(300));
+    if let Ok(mut late) = std::net::TcpStream::connect(&server.addr) {
+        use std::io::Write;
+        late.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let _ = late.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let mut answer = String::new();
+        let _ = late.read_to_string(&mut answer);
+        assert!(
+            answer.is_empty() || answer.starts_with("HTTP/1.1 503"),
+            "a request after SIGTERM was answered: {answer}"
+        );
+    }
     let mut rest = Vec::new();
     streaming.read_to_end(&mut rest).unwrap();
     let whole = format!("{head}{}", String::from_utf8_lossy(&rest));

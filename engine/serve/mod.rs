@@ -108,11 +108,20 @@ async fn run(bundle: Bundle, session: SessionOptions, options: ServeOptions) -> 
         in_flight: Mutex::default(),
     });
 
+    // The stop signal, a model that failed to load, or an engine thread that died ends the
+    // serving.
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(None::<String>);
+    let stop_tx = Arc::new(stop_tx);
+
     let (loaded_tx, loaded_rx) = std::sync::mpsc::channel();
     let worker_metrics = metrics.clone();
+    let on_panic = StopIfPanicking(stop_tx.clone());
     let engine = std::thread::Builder::new()
         .name("edgemoe-engine".into())
-        .spawn(move || worker::run(bundle, session, queue, worker_metrics, loaded_tx))
+        .spawn(move || {
+            let _on_panic = on_panic;
+            worker::run(bundle, session, queue, worker_metrics, loaded_tx)
+        })
         .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
 
     eprintln!(
@@ -120,9 +129,6 @@ async fn run(bundle: Bundle, session: SessionOptions, options: ServeOptions) -> 
         metrics.model.name
     );
 
-    // The stop signal, or a model that failed to load, ends the serving.
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(None::<String>);
-    let stop_tx = Arc::new(stop_tx);
     let on_signal = stop_tx.clone();
     let _stop_on_signal = StopOnSignal::new(move |signal| {
         let _ = on_signal.send(Some(format!("signal {signal}")));
@@ -209,4 +215,17 @@ async fn run(bundle: Bundle, session: SessionOptions, options: ServeOptions) -> 
         snapshot.requests, snapshot.tokens_generated
     );
     Ok(())
+}
+
+/// Held by the engine thread: if it dies of a panic (a bug), the server stops and `serve`
+/// returns the error (exit status 1, so that systemd's `Restart=on-failure` starts it again)
+/// instead of answering 503 forever.
+struct StopIfPanicking(Arc<tokio::sync::watch::Sender<Option<String>>>);
+
+impl Drop for StopIfPanicking {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.0.send(Some("the engine thread panicked".into()));
+        }
+    }
 }
