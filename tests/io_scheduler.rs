@@ -120,13 +120,22 @@ fn several_readers_overlap_reads_and_still_serve_demand_first() {
     }
     wait_until_queued(&io, 4);
     io.submit(request(&store, ids[20], 20, Priority::Demand));
-    let order: Vec<ExpertId> = (0..7).map(|_| io.recv().unwrap().id).collect();
+    let done: Vec<Completion> = (0..7).map(|_| io.recv().unwrap()).collect();
     // Two channels: 7 reads in 4 rounds (800 ms), where one channel needs 7 (1400 ms). The
     // upper bound leaves a loaded machine 300 ms of delays and still fails a single channel.
     let ms = started.elapsed().as_secs_f64() * 1e3;
     assert!((790.0..1100.0).contains(&ms), "{ms:.0} ms");
+    // The demand read starts in the second round, as soon as a reader is free, beside one
+    // speculative read (which of the two finishes first is the device's business); behind the
+    // four queued speculative reads it would start in the fourth round and come back last.
+    let order: Vec<ExpertId> = done.iter().map(|d| d.id).collect();
     let at = order.iter().position(|&id| id == ids[20]).unwrap();
-    assert!(at <= 2, "the demand read came back {at}th: {order:?}");
+    assert!(at <= 3, "the demand read came back {at}th: {order:?}");
+    let waited = done[at].queued_ms;
+    assert!(
+        waited < 1.5 * READ.as_secs_f64() * 1e3,
+        "the demand read waited {waited:.0} ms to start: {order:?}"
+    );
 }
 
 /// Reads paced to a profile take the profile's time: `latency + bytes / bandwidth` each, one
