@@ -395,24 +395,22 @@ fn slow_server(dir: &Path, extra: &[&str]) -> Server {
     if !bundle.exists() {
         common::convert_to(&common::fixture("tiny-mixtral"), dir);
     }
-    let mut args = vec![
-        "--model",
-        bundle.to_str().unwrap(),
-        "--profile",
-        "jetson-tx2-hdd",
-        "--device",
-        "cpu",
-        "--storage",
-        "emulate",
-        "--no-prefetch",
-        "--buffer-experts",
-        "2",
-        "--budget",
-        "1GiB",
-    ];
+    let mut args = vec!["--model", bundle.to_str().unwrap()];
+    args.extend(SLOW_STORAGE);
+    args.extend(["--no-prefetch", "--buffer-experts", "2", "--budget", "1GiB"]);
     args.extend(extra);
     Server::start(&args, &[])
 }
+
+/// Expert reads paced to a hard disk: requests long enough to cancel, time out or queue behind.
+const SLOW_STORAGE: [&str; 6] = [
+    "--profile",
+    "jetson-tx2-hdd",
+    "--device",
+    "cpu",
+    "--storage",
+    "emulate",
+];
 
 const LONG_STREAM: &str = r#"{"prompt": "Edge devices run", "max_tokens": 200, "stream": true}"#;
 const LONG: &str = r#"{"prompt": "Edge devices run", "max_tokens": 200}"#;
@@ -588,16 +586,8 @@ fn sigterm_past_the_grace_period_cancels_and_exits_0() {
 /// The demo model behind emulated hard-disk reads: a document takes about a second.
 fn slow_demo_server(dir: &Path, extra: &[&str]) -> Server {
     let bundle = common::convert_to(&common::demo_checkpoint(), dir);
-    let mut args = vec![
-        "--model",
-        bundle.to_str().unwrap(),
-        "--profile",
-        "jetson-tx2-hdd",
-        "--device",
-        "cpu",
-        "--storage",
-        "emulate",
-    ];
+    let mut args = vec!["--model", bundle.to_str().unwrap()];
+    args.extend(SLOW_STORAGE);
     args.extend(extra);
     Server::spawn(&args, &[])
 }
