@@ -36,13 +36,20 @@ impl Server {
             .arg("serve")
             .args(["--port", "0"])
             .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
             .env_remove("EDGEMOE_API_KEY");
         for (k, v) in env {
             command.env(k, v);
         }
+        Server::spawn_command(command)
+    }
+
+    /// Starts `command`, which must run `edgemoe serve` in its own process (directly, or through
+    /// a shell that `exec`s it), and returns once the server has printed its address.
+    pub fn spawn_command(mut command: std::process::Command) -> Server {
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
         let mut child = command.spawn().unwrap();
         let stderr = Arc::new(Mutex::new(String::new()));
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
