@@ -213,6 +213,7 @@ fn decoder_outputs_identical_under_every_policy_prefetch_and_size() {
                             prefetch,
                             prefetch_cap_bytes: u64::MAX / 2,
                             predictor: PredictorKind::Dictionary,
+                            stand_in: None,
                         },
                         prefetch,
                     );
@@ -278,6 +279,7 @@ fn decoder_top_k_replay_of_a_live_trace_gives_the_live_hit_counts() {
                     prefetch,
                     prefetch_cap_bytes: 8 * 4096,
                     predictor: PredictorKind::Dictionary,
+                    stand_in: None,
                 },
                 true,
             );
@@ -357,6 +359,7 @@ fn decoder_tiny_buffer_with_prefetch_keeps_its_slots_and_shuts_down() {
                     // No cap: as many speculative reads as the dictionary suggests.
                     prefetch_cap_bytes: u64::MAX / 2,
                     predictor: PredictorKind::Dictionary,
+                    stand_in: None,
                 },
                 true,
             );
@@ -406,6 +409,7 @@ fn a_prefetch_that_fails_its_checksum_is_reported_and_counted() {
             prefetch: true,
             prefetch_cap_bytes: u64::MAX,
             predictor: PredictorKind::Dictionary,
+            stand_in: None,
         },
         None,
     )

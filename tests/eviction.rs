@@ -356,6 +356,7 @@ fn no_prefetch(policy: Policy, slots: usize) -> BufferOptions {
         prefetch: false,
         prefetch_cap_bytes: 0,
         predictor: PredictorKind::Dictionary,
+        stand_in: None,
     }
 }
 
@@ -453,6 +454,7 @@ fn assert_outputs_invariant(subject: &Subject) {
                     prefetch_cap_bytes: u64::MAX / 2,
                     // Both predictors: the most speculative reads, the strictest invariance.
                     predictor: PredictorKind::Both,
+                    stand_in: None,
                 };
                 let mut buffer = subject.buffer(&options, prefetch.then_some(&dictionary));
                 let got: Vec<Vec<i64>> = subject

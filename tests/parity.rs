@@ -181,6 +181,7 @@ fn check_decoder(name: &str, bundle: &Bundle) {
                 prefetch,
                 prefetch_cap_bytes: u64::MAX / 2,
                 predictor: PredictorKind::Both,
+                stand_in: None,
             },
             prefetch.then(|| dictionary.clone()),
         )

@@ -37,6 +37,7 @@ fn gate_scores(hf: &Path, predictor: PredictorKind) -> (Vec<Vec<i64>>, Predictor
             prefetch: true,
             prefetch_cap_bytes: u64::MAX / 2,
             predictor,
+            stand_in: None,
         },
         None,
     )

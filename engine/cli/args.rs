@@ -14,6 +14,7 @@ use edgemoe::config::profile::{DeviceKind, DeviceProfile, BUILT_IN};
 use edgemoe::generation::report::RunStats;
 use edgemoe::generation::session::CacheOptions;
 use edgemoe::io::check_output_path;
+use edgemoe::quant::QuantBits;
 use edgemoe::runtime::modes::Mode;
 use edgemoe::runtime::predict::PredictorKind;
 use edgemoe::store::{ExpertEncoding, StorageMode};
@@ -128,6 +129,11 @@ pub struct CacheArgs {
     /// per decoder MoE layer).
     #[arg(long, value_name = "SIZE", value_parser = parse_budget, conflicts_with = "no_prefetch")]
     prefetch_cap: Option<u64>,
+    /// Keep a copy of every decoder expert at this width (int2, int4 or int8) within the budget,
+    /// and compute a decode step's expert with it when the full one is not in the buffer, while
+    /// the full one is read for later steps. Faster on slow storage, and lossy: off by default.
+    #[arg(long, value_name = "BITS", value_parser = parse_stand_in)]
+    stand_in: Option<QuantBits>,
     /// Size the expert buffer in experts instead of from the budget (still checked against it).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     buffer_experts: Option<u32>,
@@ -164,6 +170,12 @@ impl CacheArgs {
         if self.trace.is_some() && !self.mode.has_buffer() {
             return Err(usage(format!(
                 "--trace records expert-buffer accesses: mode `{}` has no expert buffer (use edgemoe, q+p or q+p+c)",
+                self.mode
+            )));
+        }
+        if self.stand_in.is_some() && !self.mode.has_buffer() {
+            return Err(usage(format!(
+                "--stand-in computes with copies of experts missing from the expert buffer: mode `{}` has none (use edgemoe, q+p or q+p+c)",
                 self.mode
             )));
         }
@@ -249,10 +261,21 @@ impl CacheArgs {
                 queue_depth: profile.as_ref().map_or(1, |p| p.queue_depth),
                 mode: self.mode,
                 quantized_bundle: self.quantized.clone(),
+                stand_in: self.stand_in,
             },
             profile,
             device,
         })
+    }
+}
+
+/// A stand-in width: `int2`, `int4` or `int8` (or `2`, `4`, `8`).
+pub fn parse_stand_in(text: &str) -> std::result::Result<QuantBits, String> {
+    match ExpertEncoding::parse(text) {
+        Some(ExpertEncoding::Quant(bits)) => Ok(bits),
+        _ => Err(format!(
+            "`{text}` is not a stand-in width: int2, int4 or int8"
+        )),
     }
 }
 

@@ -11,6 +11,7 @@ use crate::generation::session::CacheOptions;
 use crate::runtime::budget::BudgetPlan;
 use crate::runtime::stats::{
     DictionaryStats, ExpertStats, LayerStats, PredictorKind, PredictorLayerStats, PrefetchStats,
+    StandInStats,
 };
 use crate::units::format_bytes;
 
@@ -67,6 +68,9 @@ pub struct RunStats {
     /// experts for the layer against the experts its router chose (modes with an expert buffer;
     /// `dictionary` needs a calibrated bundle, `gate` predicts within a forward call only).
     pub predictors: Vec<PredictorLayerStats>,
+    /// What the stand-ins did (`--stand-in`; `null` without them, the key itself is required).
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub stand_in: Option<StandInStats>,
     pub peak_rss_bytes: u64,
     pub budget_bytes: u64,
     pub resident_bytes: u64,
@@ -186,6 +190,7 @@ impl RunStats {
             dictionary: experts.dictionary.clone(),
             predictor: cache.predictor,
             predictors: experts.predictions.report(),
+            stand_in: experts.stand_in.clone(),
             peak_rss_bytes: peak_rss_bytes(),
             budget_bytes: plan.budget_bytes,
             resident_bytes: plan.resident_bytes,
@@ -200,7 +205,7 @@ impl RunStats {
     /// `64 tokens, 41.2 tokens/s (24.3 ms/token) · expert hit ratio 87.5% (224/256) · read 12.0 MiB · peak RSS 310 MiB`
     pub fn summary_line(&self) -> String {
         format!(
-            "{} tokens, {:.1} tokens/s ({:.1} ms/token) · expert hit ratio {:.1}% ({}/{}) · read {} from the expert store, stalled {:.1} ms · mode {}, {} policy, prefetch {} · buffer {} slots ({}) of budget {} · peak RSS {}",
+            "{} tokens, {:.1} tokens/s ({:.1} ms/token) · expert hit ratio {:.1}% ({}/{}) · read {} from the expert store, stalled {:.1} ms · mode {}, {} policy, prefetch {}{} · buffer {} slots ({}) of budget {} · peak RSS {}",
             self.tokens_generated,
             self.tokens_per_s,
             self.decode_ms_per_token,
@@ -215,6 +220,13 @@ impl RunStats {
                 format!("on ({} issued, {} useful)", self.prefetch.issued, self.prefetch.useful)
             } else {
                 "off".into()
+            },
+            match &self.stand_in {
+                Some(s) => format!(
+                    ", {} stand-ins computed {} accesses",
+                    s.bits, s.used
+                ),
+                None => String::new(),
             },
             self.buffer_slots,
             format_bytes(self.buffer_bytes),
@@ -297,6 +309,16 @@ mod tests {
                 precision: 0.6,
                 recall: 0.75,
             }],
+            stand_in: Some(StandInStats {
+                bits: "int2".into(),
+                experts: 32,
+                bytes: 2 << 20,
+                load_bytes: 16 << 20,
+                load_ms: 12.5,
+                used: 40,
+                reads_started: 9,
+                unbuffered: 1,
+            }),
             peak_rss_bytes: 300 << 20,
             budget_bytes: 1 << 30,
             resident_bytes: 200 << 20,
@@ -353,6 +375,7 @@ mod tests {
             "dictionary",
             "predictor",
             "predictors",
+            "stand_in",
             "peak_rss_bytes",
             "budget_bytes",
             "resident_bytes",

@@ -43,7 +43,9 @@ use super::predict::{
 };
 use super::prefetch::{self, Completion, IoScheduler, Priority, Request};
 use super::speculation::Speculation;
-use super::stats::ExpertStats;
+use super::stand_in::{stand_in_experts, StandIns, MAX_ROWS};
+use super::stats::{ExpertStats, StandInStats};
+use crate::quant::QuantBits;
 
 /// Knobs of an [`ExpertBuffer`].
 #[derive(Debug, Clone)]
@@ -57,6 +59,10 @@ pub struct BufferOptions {
     pub prefetch_cap_bytes: u64,
     /// Which predictions start speculative reads (each is scored whichever it is).
     pub predictor: PredictorKind,
+    /// Keep a copy of every decoder expert at this width to compute a decode step's misses
+    /// with while the full expert is read ([`StandIns`]). Needs no prefetch: its reads go
+    /// through the I/O scheduler either way.
+    pub stand_in: Option<QuantBits>,
 }
 
 /// Why a read in flight was started.
@@ -85,7 +91,13 @@ pub struct ExpertBuffer {
     /// Slot memory; `None` while lent to the I/O scheduler.
     memory: Vec<Option<AlignedBuf>>,
     in_flight: HashMap<ExpertId, InFlight>,
+    /// Reads ahead of need (the next expert of a layer, predictions).
+    prefetch: bool,
+    /// Owns the device: with prefetch or stand-ins on.
     io: Option<IoScheduler>,
+    stand_ins: Option<StandIns>,
+    /// Tokens routed to the MoE layer being computed (stand-ins serve small calls only).
+    call_rows: usize,
     prefetch_cap_bytes: u64,
     dictionary: Option<Arc<PathDictionary>>,
     /// The dictionary's predictions for the next MoE layer (with a dictionary only).
@@ -128,6 +140,7 @@ impl ExpertBuffer {
                 prefetch: false,
                 prefetch_cap_bytes: 0,
                 predictor: PredictorKind::Dictionary,
+                stand_in: None,
             },
             None,
         )
@@ -164,8 +177,25 @@ impl ExpertBuffer {
             p.read_cost(store.max_padded_expert_bytes()).as_secs_f64() * 1e3
         });
         let speculation = Speculation::new(store.queue_depth(), read_ms);
+        let mut stats = ExpertStats::default();
+        let stand_ins = match options.stand_in {
+            Some(bits) => {
+                let ids = stand_in_experts(&store);
+                let copies = StandIns::build(&store, &spec.expert_layout(), &ids, bits)?;
+                stats.stand_in = Some(StandInStats {
+                    bits: bits.name().into(),
+                    experts: copies.len(),
+                    bytes: copies.bytes(),
+                    load_bytes: copies.load_bytes,
+                    load_ms: copies.load_ms,
+                    ..StandInStats::default()
+                });
+                Some(copies)
+            }
+            None => None,
+        };
         let store = Arc::new(store);
-        let io = if options.prefetch {
+        let io = if options.prefetch || stand_ins.is_some() {
             let readers = store.queue_depth().min(slots);
             let io = IoScheduler::spawn(store.clone(), readers)
                 .map_err(|e| Error::Internal(format!("cannot start the I/O threads: {e}")))?;
@@ -178,7 +208,10 @@ impl ExpertBuffer {
             table,
             memory,
             in_flight: HashMap::new(),
+            prefetch: options.prefetch,
             io,
+            stand_ins,
+            call_rows: usize::MAX,
             prefetch_cap_bytes: options.prefetch_cap_bytes,
             predictor: dictionary
                 .clone()
@@ -189,7 +222,7 @@ impl ExpertBuffer {
             layers,
             dictionary,
             in_use: None,
-            stats: ExpertStats::default(),
+            stats,
             trace: None,
             step: 0,
             current: None,
@@ -207,7 +240,7 @@ impl ExpertBuffer {
             edgemoe_trace: TRACE_VERSION,
             slots: self.table.len(),
             policy: self.table.policy.policy,
-            prefetch: self.io.is_some(),
+            prefetch: self.prefetch,
             layers: self.layers.clone(),
             seeds: seeds(
                 &self.layers,
@@ -567,9 +600,84 @@ impl ExpertBuffer {
         }
     }
 
+    /// Once a layer's expert is at hand: starts reading the layer's `next` expert, or after the
+    /// layer's last one the predictions for the next layer.
+    fn after_demand(&mut self, next: Option<ExpertId>) -> Result<()> {
+        match next {
+            Some(next) => self.start_prefetch(next, ReadKind::Next),
+            // The layer's last expert is here: its reads no longer compete with speculation.
+            None => {
+                for id in std::mem::take(&mut self.deferred) {
+                    self.start_prefetch(id, ReadKind::Speculative)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether `id` is computed by its stand-in: stand-ins are on, `id` has one, the layer's
+    /// forward call is small (a decode step), and the full expert is not ready in a slot
+    /// (absent, or its read not finished).
+    fn stand_in_serves(&mut self, id: ExpertId) -> Result<bool> {
+        let has = self.stand_ins.as_ref().is_some_and(|s| s.has(id));
+        if !has || self.call_rows > MAX_ROWS {
+            return Ok(false);
+        }
+        self.drain_completions()?;
+        Ok(self.table.slot_of(id).is_none() || self.in_flight.contains_key(&id))
+    }
+
+    /// The books of a demand access that a stand-in computes: the slot table sees the access
+    /// as any demand (so replay and the policy see the same run), and a miss starts reading
+    /// the full expert for later steps, ahead of speculation, without waiting for it.
+    fn demand_for_later(&mut self, id: ExpertId) -> Result<()> {
+        self.in_use = None;
+        let pinned = self.pinned();
+        let ctx = AccessContext {
+            current: self.current,
+            step: self.step,
+            pinned: &pinned,
+        };
+        let outcome = self.table.demand(id, &ctx);
+        let stand_in = self
+            .stats
+            .stand_in
+            .as_mut()
+            .expect("stand-in statistics exist with stand-ins");
+        stand_in.used += 1;
+        match outcome {
+            Some(Outcome::Hit { prefetched, .. }) => {
+                // Being read: it goes ahead of every speculative read.
+                self.log(AccessKind::Demand, id, &pinned)?;
+                self.stats.record(id, true);
+                if prefetched {
+                    self.stats.prefetch.useful += 1;
+                }
+                if let Some(io) = &self.io {
+                    io.upgrade(id, Priority::Demand);
+                }
+                if self.speculation.demanded(id, 0.0) {
+                    self.refresh_speculation_stats();
+                }
+            }
+            Some(Outcome::Miss { slot, evicted }) => {
+                stand_in.reads_started += 1;
+                self.log(AccessKind::Demand, id, &pinned)?;
+                self.stats.record(id, false);
+                self.note_eviction(evicted);
+                if self.speculation.missed(id, self.step) {
+                    self.refresh_speculation_stats();
+                }
+                self.submit(id, slot, ReadKind::Miss);
+            }
+            None => stand_in.unbuffered += 1,
+        }
+        Ok(())
+    }
+
     /// Starts reading `id` through the I/O scheduler if it is not resident or being read.
     fn start_prefetch(&mut self, id: ExpertId, kind: ReadKind) -> Result<()> {
-        if self.io.is_none() || self.table.slot_of(id).is_some() {
+        if !self.prefetch || self.io.is_none() || self.table.slot_of(id).is_some() {
             return Ok(());
         }
         let Some(bytes) = self.store.entry(id).map(|e| e.length) else {
@@ -616,18 +724,16 @@ impl ExpertBuffer {
 
 impl ExpertProvider for ExpertBuffer {
     fn expert(&mut self, id: ExpertId, next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
+        if self.stand_in_serves(id)? {
+            self.demand_for_later(id)?;
+            self.after_demand(next)?;
+            let copies = self.stand_ins.as_ref().expect("checked by stand_in_serves");
+            return copies.weights(id);
+        }
         let slot = self.demand(id)?;
         self.in_use = Some(id);
         // The slot in use is pinned: the next expert's read cannot take it.
-        match next {
-            Some(next) => self.start_prefetch(next, ReadKind::Next)?,
-            // The layer's last expert is here: its reads no longer compete with speculation.
-            None => {
-                for id in std::mem::take(&mut self.deferred) {
-                    self.start_prefetch(id, ReadKind::Speculative)?;
-                }
-            }
-        }
+        self.after_demand(next)?;
         let entry = self
             .store
             .entry(id)
@@ -655,6 +761,7 @@ impl ExpertProvider for ExpertBuffer {
 
     fn routed(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {
         self.in_use = None;
+        self.call_rows = experts.len() / k.max(1);
         // Predictions for this layer not started yet are moot now.
         self.deferred.clear();
         // Speculative reads for this layer that the router did not choose are taken back if

@@ -8,6 +8,8 @@
 //! - [`modes`]: the baselines behind the same provider interface (`io-free`, `io-exp`, `mmap`, …)
 //!   and the [`modes::ExpertSource`] a run uses.
 //! - [`resident`]: every expert in memory (`io-free`, tuning).
+//! - [`stand_in`]: low-bit copies of decoder experts that compute a decode step's miss while
+//!   the full expert is read (`--stand-in`).
 //! - [`stats`]: the counters every provider keeps.
 //! - [`budget`]: working-memory estimate and the budget split.
 //! - [`setup`]: what every run opens around the model: store, budget, buffer, dictionary, trace.
@@ -21,4 +23,5 @@ pub mod prefetch;
 pub mod resident;
 pub mod setup;
 pub mod speculation;
+pub mod stand_in;
 pub mod stats;

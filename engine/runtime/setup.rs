@@ -12,11 +12,13 @@ use crate::cache::Policy;
 use crate::dictionary::PathDictionary;
 use crate::error::{Error, Result};
 use crate::ids::Stack;
+use crate::quant::QuantBits;
 use crate::runtime::budget::BudgetPlan;
 use crate::runtime::buffer::{BufferOptions, ExpertBuffer};
 use crate::runtime::modes::{DemandLoader, ExpertSource, MappedExperts, Mode};
 use crate::runtime::predict::PredictorKind;
 use crate::runtime::resident::ResidentExperts;
+use crate::runtime::stand_in::{stand_in_bytes, stand_in_experts};
 use crate::store::{ExpertStore, ReadPacer, StorageMode};
 
 /// How the expert buffer behaves.
@@ -43,6 +45,9 @@ pub struct CacheOptions {
     /// Bundle whose (quantized) expert store the quantized modes use (`io-qexp`, `q`, `q+p`,
     /// `q+p+c`); same model, other widths.
     pub quantized_bundle: Option<PathBuf>,
+    /// Stand-ins at this width for a decode step's misses (modes with an expert buffer; see
+    /// `runtime::stand_in`). Their memory comes out of the budget.
+    pub stand_in: Option<QuantBits>,
 }
 
 impl Default for CacheOptions {
@@ -59,6 +64,7 @@ impl Default for CacheOptions {
             queue_depth: 1,
             mode: Mode::Edgemoe,
             quantized_bundle: None,
+            stand_in: None,
         }
     }
 }
@@ -129,9 +135,20 @@ impl ExpertRuntime {
             _ => None,
         };
         let slot_bytes = store.max_padded_expert_bytes();
+        let stand_in_bytes = match cache.stand_in {
+            Some(_) if !mode.has_buffer() => {
+                return Err(Error::Input(format!(
+                    "--stand-in computes with copies of experts missing from the expert buffer: mode `{mode}` has none (use edgemoe, q+p or q+p+c)"
+                )))
+            }
+            Some(bits) => {
+                stand_in_bytes(&spec.expert_layout(), bits, stand_in_experts(&store).len())
+            }
+            None => 0,
+        };
         let mut plan = BudgetPlan::new(
             budget_bytes,
-            resident_bytes,
+            resident_bytes.saturating_add(stand_in_bytes),
             working_bytes,
             slot_bytes,
             store.index().experts.len(),
@@ -152,6 +169,7 @@ impl ExpertRuntime {
                         .prefetch_cap_bytes
                         .unwrap_or(per_layer * decoder_moe_layers.max(1) * slot_bytes),
                     predictor: cache.predictor,
+                    stand_in: cache.stand_in,
                 },
                 dictionary.clone(),
             )

@@ -63,6 +63,28 @@ pub struct LayerSpeculation {
     pub enabled: bool,
 }
 
+/// What the stand-ins did (`--stand-in`; `stand_in` in `--stats-json`, null when off).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct StandInStats {
+    /// Their width: `int2` or `int4`.
+    pub bits: String,
+    /// Experts that have one (every decoder expert).
+    pub experts: usize,
+    /// Memory they hold (counted in the budget as resident).
+    pub bytes: u64,
+    /// Bytes read from the store to make them when the buffer opened, and the time it took.
+    pub load_bytes: u64,
+    pub load_ms: f64,
+    /// Demand accesses computed by a stand-in because the full expert was not ready in the
+    /// buffer (each is also counted as the hit or miss the slot table saw).
+    pub used: u64,
+    /// Of those, the misses whose full expert was then read for later steps.
+    pub reads_started: u64,
+    /// Of those, accesses for which no slot could take the full expert (every slot was being
+    /// read or computed on): neither read nor counted as an access.
+    pub unbuffered: u64,
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct DictionaryStats {
     /// Tokens × MoE layers for which the dictionary predicted the expert ahead of routing.
@@ -92,6 +114,8 @@ pub struct ExpertStats {
     pub stall_ms: f64,
     pub prefetch: PrefetchStats,
     pub dictionary: DictionaryStats,
+    /// With stand-ins on.
+    pub stand_in: Option<StandInStats>,
     /// Every predictor's predictions, scored against the routing that followed.
     #[serde(skip)]
     pub predictions: PredictionScores,

@@ -8,7 +8,7 @@ pub mod reader;
 
 pub use aligned::AlignedBuf;
 pub use format::{
-    ExpertEncoding, ExpertEntry, ExpertLayout, ExpertStoreWriter, MatrixEntry, StoreIndex,
-    BLOB_ALIGN,
+    align_up, layout_blob, ExpertEncoding, ExpertEntry, ExpertLayout, ExpertStoreWriter,
+    MatrixEntry, StoreIndex, BLOB_ALIGN, MATRIX_ALIGN,
 };
 pub use reader::{ExpertStore, ReadPacer, StorageMode};
