@@ -15,6 +15,10 @@
 //! expert's probability of being used next), and none for a layer where it has recently cost
 //! more than it saved.
 //!
+//! With stand-ins on ([`StandIns`], `--stand-in`), a decode step's expert that is not ready in
+//! a slot is computed with its resident low-bit copy, and a miss starts the full expert's read
+//! at demand priority without waiting for it: the slot table sees the same accesses either way.
+//!
 //! Top-k routing changes nothing for the slots: an expert is one blob whatever its matrices
 //! (`wi`/`wo` for Switch, `gate`/`up`/`down` for SwiGLU), demanded once per layer per forward
 //! call. The router reports `k` experts per token (`routed`); dictionary predictions then give,
