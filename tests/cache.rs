@@ -439,3 +439,69 @@ fn a_prefetch_that_fails_its_checksum_is_reported_and_counted() {
     assert_eq!(stats.prefetch.bytes_read, b_bytes);
     assert_eq!(stats.bytes_read, a_bytes + b_bytes);
 }
+
+/// Reading a layer's next expert ahead pins the one being computed, which is often the best
+/// victim: during the encoder, such a read must not evict a decoder expert (needed right after
+/// the encoder) when the expert in use, whose layer has run, could go instead.
+#[test]
+fn reading_the_next_expert_ahead_never_evicts_an_expert_needed_sooner() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = Bundle::open(&common::convert_to(
+        &common::fixture("tiny-untied-e8"),
+        dir.path(),
+    ))
+    .unwrap();
+    let spec = &bundle.config.model;
+    let (enc, dec) = (
+        spec.moe_blocks(Stack::Encoder),
+        spec.moe_blocks(Stack::Decoder),
+    );
+    let id = |stack, layer: usize, expert| ExpertId {
+        stack,
+        layer: layer as u16,
+        expert,
+    };
+    let decoder_expert = id(Stack::Decoder, dec[0], 1);
+    for policy in [Policy::Edgemoe, Policy::Lru, Policy::Lfu, Policy::EdgemoeFd] {
+        let mut buffer = ExpertBuffer::with_options(
+            bundle.open_store().unwrap(),
+            spec,
+            &BufferOptions {
+                slots: 2,
+                policy,
+                prefetch: true,
+                prefetch_cap_bytes: 0,
+                predictor: PredictorKind::Dictionary,
+                stand_in: None,
+            },
+            None,
+        )
+        .unwrap();
+        // A decode step leaves a decoder expert in the buffer.
+        buffer.begin_step(Stack::Decoder);
+        buffer.routed(Stack::Decoder, dec[0], 1, &[1]).unwrap();
+        buffer.expert(decoder_expert, None).unwrap();
+        // The next document's first encoder layer routes to experts 0 and 3: expert 0 takes
+        // the free slot; expert 3 could be read ahead only over the decoder expert.
+        buffer.begin_step(Stack::Encoder);
+        buffer
+            .routed(Stack::Encoder, enc[0], 1, &[0, 3, 3, 0])
+            .unwrap();
+        let first = id(Stack::Encoder, enc[0], 0);
+        buffer
+            .expert(first, Some(id(Stack::Encoder, enc[0], 3)))
+            .unwrap();
+        let held = buffer.slot_contents();
+        assert!(
+            held.contains(&Some(decoder_expert)),
+            "{policy}: reading ahead evicted the decoder expert: {held:?}"
+        );
+        // Demanded, expert 3 is read (and whatever the policy chooses goes).
+        buffer.expert(id(Stack::Encoder, enc[0], 3), None).unwrap();
+        assert!(buffer
+            .slot_contents()
+            .contains(&Some(id(Stack::Encoder, enc[0], 3))));
+    }
+}

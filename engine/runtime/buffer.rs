@@ -591,6 +591,30 @@ impl ExpertBuffer {
         }
     }
 
+    /// Whether the next expert of the layer being computed may be read now: into a free slot,
+    /// or over an expert needed no sooner than the one being computed. Reading it ahead pins
+    /// the expert in use, which is often the best victim (an encoder layer that has run is not
+    /// needed again until the next document); evicting an expert needed sooner instead (a
+    /// decoder expert, during the encoder) costs a whole read later to save at most the
+    /// current expert's compute time now.
+    fn room_for_next(&self, ctx: &AccessContext<'_>) -> bool {
+        let Some(computing) = self.in_use else {
+            return true;
+        };
+        match self.table.peek_room(ctx) {
+            None => false,
+            Some((_, None)) => true,
+            Some((_, Some(victim))) => {
+                // Distance 0: not needed again in this forward call, the latest of all.
+                let due = |id: ExpertId| match self.distance(id) {
+                    0 => usize::MAX,
+                    d => d,
+                };
+                due(victim) >= due(computing)
+            }
+        }
+    }
+
     /// How likely the predictor that started speculation thinks `id` is needed: the
     /// dictionary's probability, the share of tokens the gate lookahead routed to it, or the
     /// larger of the two.
@@ -701,12 +725,16 @@ impl ExpertBuffer {
         if speculative {
             let probability = self.prediction_probability(id);
             let pays = self.speculation.enabled(id)
+                && self.speculation.worth_reading(id, probability)
                 && self.speculative_in_flight() < self.store.queue_depth()
                 && self.room_for_speculation(id, probability, &ctx);
             if !pays {
                 self.speculation.candidate(id, false);
                 return Ok(());
             }
+        }
+        if kind == ReadKind::Next && !self.room_for_next(&ctx) {
+            return Ok(());
         }
         let Some((slot, evicted)) = self.table.prefetch(id, &ctx) else {
             return Ok(());

@@ -17,6 +17,11 @@
 //! read, times the share of a read that speculation on this layer actually saved; an unchosen
 //! one would have cost its device share); it resumes once that mean rises above a margin.
 //! Both switches need a minimum number of candidates since the last one (hysteresis).
+//!
+//! Within a layer that speculates, each prediction is read only if its expected saving beats
+//! its expected cost ([`Speculation::worth_reading`]): its probability times the share of a
+//! read this layer's right guesses have saved, against the chance it is wrong times its share
+//! of the device.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -122,6 +127,20 @@ impl Speculation {
         self.layers
             .get(&(id.stack, id.layer))
             .is_none_or(|b| b.enabled)
+    }
+
+    /// Whether reading `id`, predicted with `probability`, is expected to save more device time
+    /// than it costs: a right guess saves the share of a read that this layer's right guesses
+    /// have saved so far (all of it until one is measured), a wrong one costs its share of the
+    /// device (a read over the queue depth). On a queue-depth-1 card whose reads take much
+    /// longer than a layer's compute, a right guess saves little and only near-certain
+    /// predictions are read.
+    pub fn worth_reading(&self, id: ExpertId, probability: f64) -> bool {
+        let realized = self
+            .layers
+            .get(&(id.stack, id.layer))
+            .map_or(1.0, |b| b.realized);
+        probability * realized > (1.0 - probability) / self.queue_depth
     }
 
     /// A prediction for `id`'s layer, read (`issued`) or not.
@@ -311,6 +330,35 @@ mod tests {
         let stats = &s.per_layer()[0];
         assert_eq!((stats.issued, stats.useful), (20, 20));
         assert!((stats.saved_ms - 120.0).abs() < 1e-9, "{}", stats.saved_ms);
+    }
+
+    #[test]
+    fn only_predictions_whose_expected_saving_beats_their_device_share_are_read() {
+        // Untried layer: a right guess is assumed to save a whole read.
+        let s = Speculation::new(1, 10.0);
+        assert!(s.worth_reading(dec(0), 0.6));
+        assert!(!s.worth_reading(dec(0), 0.4));
+        // Right guesses that saved 1 ms of a 10 ms read (the compute they overlapped): a
+        // queue-depth-1 device reads only predictions above 1 / (1 + 0.1).
+        let mut slow = Speculation::new(1, 10.0);
+        for _ in 0..200 {
+            slow.candidate(dec(2), true);
+            slow.routed(Stack::Decoder, 1, &[2]);
+            slow.read(dec(2), 10.0, true);
+            slow.demanded(dec(2), 9.0);
+        }
+        assert!(!slow.worth_reading(dec(2), 0.85));
+        assert!(slow.worth_reading(dec(2), 0.95));
+        // Four channels: a wrong guess holds a quarter of the device.
+        let mut deep = Speculation::new(4, 10.0);
+        for _ in 0..200 {
+            deep.candidate(dec(2), true);
+            deep.routed(Stack::Decoder, 1, &[2]);
+            deep.read(dec(2), 10.0, true);
+            deep.demanded(dec(2), 0.0);
+        }
+        assert!(deep.worth_reading(dec(2), 0.25));
+        assert!(!deep.worth_reading(dec(2), 0.15));
     }
 
     #[test]
