@@ -168,26 +168,21 @@ fn int2_stand_ins_of_an_int2_switch_store_change_no_token_and_the_full_expert_co
     let used = s["used"].as_u64().unwrap();
     let started = s["reads_started"].as_u64().unwrap();
     assert!(used > 0 && started > 0, "{s}");
-    // Fewer decode-step stalls: misses no longer wait (the encoder still does).
     assert!(
         stats["misses"].as_u64().unwrap() >= started,
         "every read started for later is a miss: {stats}"
     );
     // The full experts read for later were used: decoder hits exist beyond the stand-ins'.
-    let decoder_hits: u64 = stats["per_layer"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|l| l["stack"] == "decoder")
-        .map(|l| l["hits"].as_u64().unwrap())
-        .sum();
-    let decoder_accesses: u64 = stats["per_layer"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|l| l["stack"] == "decoder")
-        .map(|l| l["accesses"].as_u64().unwrap())
-        .sum();
+    let decoder_sum = |key: &str| -> u64 {
+        stats["per_layer"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| l["stack"] == "decoder")
+            .map(|l| l[key].as_u64().unwrap())
+            .sum()
+    };
+    let (decoder_hits, decoder_accesses) = (decoder_sum("hits"), decoder_sum("accesses"));
     assert!(
         used - s["unbuffered"].as_u64().unwrap() <= decoder_accesses,
         "stand-ins computed more than the decoder's accesses: {s} vs {decoder_accesses}"
