@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
 use crate::generation::report::{peak_rss_bytes, rss_bytes};
+use crate::runtime::stats::LayerStats;
 use crate::serve::api::Stopped;
 
 use super::{Histogram, Metrics};
@@ -138,28 +139,37 @@ impl Metrics {
                 "Expert demand requests served without a read of their own.",
                 stats.hits as f64,
             );
-            let _ = writeln!(
-                out,
-                "# HELP edgemoe_layer_hit_ratio Expert hit ratio of each MoE layer.\n# TYPE edgemoe_layer_hit_ratio gauge"
+            // One sample per MoE layer, labelled with its stack and block.
+            let per_layer = |out: &mut String,
+                             name: &str,
+                             kind: &str,
+                             help: &str,
+                             value: &dyn Fn(&LayerStats) -> String| {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                for layer in &stats.per_layer {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{stack=\"{}\",block=\"{}\"}} {}",
+                        layer.stack,
+                        layer.block,
+                        value(layer)
+                    );
+                }
+            };
+            per_layer(
+                &mut out,
+                "edgemoe_layer_hit_ratio",
+                "gauge",
+                "Expert hit ratio of each MoE layer.",
+                &|l| l.hit_ratio.to_string(),
             );
-            for layer in &stats.per_layer {
-                let _ = writeln!(
-                    out,
-                    "edgemoe_layer_hit_ratio{{stack=\"{}\",block=\"{}\"}} {}",
-                    layer.stack, layer.block, layer.hit_ratio
-                );
-            }
-            let _ = writeln!(
-                out,
-                "# HELP edgemoe_layer_accesses_total Expert demand requests of each MoE layer.\n# TYPE edgemoe_layer_accesses_total counter"
+            per_layer(
+                &mut out,
+                "edgemoe_layer_accesses_total",
+                "counter",
+                "Expert demand requests of each MoE layer.",
+                &|l| l.accesses.to_string(),
             );
-            for layer in &stats.per_layer {
-                let _ = writeln!(
-                    out,
-                    "edgemoe_layer_accesses_total{{stack=\"{}\",block=\"{}\"}} {}",
-                    layer.stack, layer.block, layer.accesses
-                );
-            }
             counter(
                 &mut out,
                 "edgemoe_bytes_read_total",
