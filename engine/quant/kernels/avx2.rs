@@ -95,8 +95,24 @@ pub(crate) fn supported() -> bool {
 
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx2",
-    // SAFETY (all four): this set is only chosen when `supported()` said yes.
-    dot_quant: |row, bits, cols, x| unsafe { dot_quant(row, bits, cols, x) },
+    // SAFETY (the three float kernels): this set is only chosen when `supported()` said yes.
+    dot_quant,
+    dot_f16: |row, x| unsafe { dot_f16(row, x) },
+    dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+    dot_f32: |row, x| unsafe { dot_f32(row, x) },
+};
+
+/// Whether this CPU runs [`KERNELS_VNNI`] (AVX-VNNI on 256-bit registers: Alder Lake, Sapphire
+/// Rapids, Zen 5 and later).
+pub(crate) fn vnni_supported() -> bool {
+    supported() && is_x86_feature_detected!("avxvnni")
+}
+
+/// [`KERNELS`] with the integer rows on `vpdpbusd`.
+pub(crate) static KERNELS_VNNI: Kernels = Kernels {
+    name: "avx2+vnni",
+    // SAFETY (the three float kernels): this set is only chosen when `vnni_supported()` said yes.
+    dot_quant: dot_quant_vnni,
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
@@ -124,101 +140,172 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// 32 signed weight codes · 32 activation codes → 8 partial i32 sums. `|w| ≤ 128` and
-/// `|x| ≤ 127`, so the pairwise i16 sums of `maddubs` cannot saturate.
-#[target_feature(enable = "avx2,fma")]
-fn block_products(w: __m256i, x: __m256i) -> __m256i {
-    let magnitude = _mm256_sign_epi8(w, w);
-    let signed_x = _mm256_sign_epi8(x, w);
-    _mm256_madd_epi16(
-        _mm256_maddubs_epi16(magnitude, signed_x),
-        _mm256_set1_epi16(1),
-    )
-}
-
 /// How far ahead of the block being computed a row's bytes are prefetched (rows are contiguous,
 /// so this reaches into the next rows; measured: +70% on an LM head streamed from memory).
 const PREFETCH_AHEAD: usize = 2048;
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
 /// codes made unsigned (`code + z`, one XOR) for `maddubs` directly, `z × Σx` subtracted once
-/// per row (`x.offset`).
-#[target_feature(enable = "avx2,fma")]
+/// per row (`x.offset`). One specialised loop per width, so no branch runs per block.
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
-    let full = cols / BLOCK;
-    let block_bytes = BLOCK * bits.bits() as usize / 8;
-    assert!(row.len() >= full * block_bytes && x.codes.len() >= full * BLOCK);
-    assert!(x.scales.len() >= full);
-    let w = row.as_ptr();
-    let xs = x.codes.as_ptr();
-    let ones = _mm256_set1_epi16(1);
-    // SAFETY (every load below): block `b < full` reads bytes `b × block_bytes ..` of `row`,
-    // codes `b × 32 .. b × 32 + 32` and scale `b`, inside the lengths asserted above.
-    let xv = |b: usize| unsafe { _mm256_loadu_si256(xs.add(b * BLOCK).cast()) };
-    let scale = |b: usize| unsafe { _mm256_broadcast_ss(&*x.scales.as_ptr().add(b)) };
-    // Block `b`'s 8 partial sums as f32, scaled by its activation scale.
-    let block = |b: usize| -> (__m256, __m256) {
-        let sums = match bits {
-            QuantBits::Int8 => {
-                let wv = unsafe { _mm256_loadu_si256(w.add(b * 32).cast()) };
-                block_products(wv, xv(b))
+    // SAFETY (all three): `KERNELS` is only chosen when `supported()` said yes.
+    unsafe {
+        match bits {
+            QuantBits::Int8 => dot_quant_bits::<8>(row, cols, x),
+            QuantBits::Int4 => dot_quant_bits::<4>(row, cols, x),
+            QuantBits::Int2 => dot_quant_bits::<2>(row, cols, x),
+        }
+    }
+}
+
+/// [`dot_quant`] with AVX-VNNI's `vpdpbusd` (one instruction for `maddubs` + `madd`, no i16
+/// intermediate): INT2 and INT4 rows are bound by those instructions, not by memory.
+fn dot_quant_vnni(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
+    // SAFETY (all three): `KERNELS_VNNI` is only chosen when `vnni_supported()` said yes.
+    unsafe {
+        match bits {
+            QuantBits::Int8 => dot_quant_bits_vnni::<8>(row, cols, x),
+            QuantBits::Int4 => dot_quant_bits_vnni::<4>(row, cols, x),
+            QuantBits::Int2 => dot_quant_bits_vnni::<2>(row, cols, x),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn dot_quant_bits<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { dot_quant_body::<BITS, false>(row, cols, x) }
+}
+
+#[target_feature(enable = "avx2,fma,avxvnni")]
+fn dot_quant_bits_vnni<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { dot_quant_body::<BITS, true>(row, cols, x) }
+}
+
+/// `unsigned · signed` byte products of a block summed in fours into 8 i32 lanes.
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2 (and `avxvnni` when `VNNI`).
+#[inline(always)]
+unsafe fn unsigned_products<const VNNI: bool>(u: __m256i, x: __m256i) -> __m256i {
+    // SAFETY: see the function's contract.
+    unsafe {
+        if VNNI {
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x)
+        } else {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))
+        }
+    }
+}
+
+/// Block `b` of a packed row against block `b` of the activations: its 8 partial sums as f32,
+/// and the activation scale broadcast.
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2 (and `avxvnni` when `VNNI`); block `b` lies
+/// inside `w` (bytes `b × 32 × BITS / 8 ..`), `x.codes` and `x.scales`.
+#[inline(always)]
+unsafe fn quant_block<const BITS: usize, const VNNI: bool>(
+    w: *const u8,
+    x: &QuantRow<'_>,
+    b: usize,
+) -> (__m256, __m256) {
+    // SAFETY: see the function's contract.
+    unsafe {
+        let xv = _mm256_loadu_si256(x.codes.as_ptr().add(b * BLOCK).cast());
+        let sums = match BITS {
+            8 => {
+                let wv = _mm256_loadu_si256(w.add(b * 32).cast());
+                // |w| · (x signed by w): the same products with an unsigned left
+                // operand; |w| ≤ 128 and |x| ≤ 127, so `maddubs`'s i16 pairs cannot saturate.
+                let magnitude = _mm256_sign_epi8(wv, wv);
+                unsigned_products::<VNNI>(magnitude, _mm256_sign_epi8(xv, wv))
             }
-            QuantBits::Int4 => {
-                let v = unsafe { _mm_loadu_si128(w.add(b * 16).cast()) };
+            4 => {
+                let v = _mm_loadu_si128(w.add(b * 16).cast());
                 let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
                 let u = _mm256_xor_si256(
                     _mm256_and_si256(both, _mm256_set1_epi8(0x0f)),
                     _mm256_set1_epi8(0x08),
                 );
-                _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones)
+                unsigned_products::<VNNI>(u, xv)
             }
-            QuantBits::Int2 => {
-                let v = i64::from_le_bytes(unsafe { w.add(b * 8).cast::<[u8; 8]>().read() });
-                let v = _mm_set1_epi64x(v);
-                let f01 = _mm_srlv_epi64(v, _mm_set_epi64x(2, 0));
-                let f23 = _mm_srlv_epi64(v, _mm_set_epi64x(6, 4));
-                let fields = _mm256_and_si256(_mm256_set_m128i(f23, f01), _mm256_set1_epi8(0x03));
+            _ => {
+                // The block's 8 bytes in each 64-bit lane, lane k shifted to field k.
+                let v = _mm256_set1_epi64x(w.add(b * 8).cast::<i64>().read_unaligned());
+                let fields = _mm256_and_si256(
+                    _mm256_srlv_epi64(v, _mm256_set_epi64x(6, 4, 2, 0)),
+                    _mm256_set1_epi8(0x03),
+                );
                 let u = _mm256_xor_si256(fields, _mm256_set1_epi8(0x02));
-                _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv(b)), ones)
+                unsigned_products::<VNNI>(u, xv)
             }
         };
-        (_mm256_cvtepi32_ps(sums), scale(b))
-    };
-    // Four independent accumulators (named, so they stay in registers): the FMA chains of
-    // consecutive blocks do not wait on each other.
-    let (mut a0, mut a1, mut a2, mut a3) = (
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-    );
-    let quads = full / 4 * 4;
-    for b in (0..quads).step_by(4) {
-        // The next rows of a large matrix are far from the caches: ask for them early.
-        let ahead = (b + 4) * block_bytes + PREFETCH_AHEAD;
-        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead).cast());
-        if block_bytes == 32 {
-            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + 64).cast());
+        let scale = _mm256_broadcast_ss(&*x.scales.as_ptr().add(b));
+        (_mm256_cvtepi32_ps(sums), scale)
+    }
+}
+
+/// The loop of [`dot_quant`] for one width, with or without VNNI.
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2 and FMA (and `avxvnni` when `VNNI`).
+#[inline(always)]
+unsafe fn dot_quant_body<const BITS: usize, const VNNI: bool>(
+    row: &[u8],
+    cols: usize,
+    x: &QuantRow<'_>,
+) -> f32 {
+    // SAFETY: the intrinsics need AVX2/FMA (VNNI), which the callers enable (see above).
+    unsafe {
+        let bits = match BITS {
+            8 => QuantBits::Int8,
+            4 => QuantBits::Int4,
+            _ => QuantBits::Int2,
+        };
+        let full = cols / BLOCK;
+        let block_bytes = BLOCK * BITS / 8;
+        assert!(row.len() >= full * block_bytes && x.codes.len() >= full * BLOCK);
+        assert!(x.scales.len() >= full);
+        let w = row.as_ptr();
+        // SAFETY (every block below): `b < full`, inside the lengths asserted above.
+        // Four independent accumulators (named, so they stay in registers): the FMA chains of
+        // consecutive blocks do not wait on each other.
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        let quads = full / 4 * 4;
+        for b in (0..quads).step_by(4) {
+            // The next rows of a large matrix are far from the caches: ask for them early.
+            let ahead = (b + 4) * block_bytes + PREFETCH_AHEAD;
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead).cast());
+            if block_bytes == 32 {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + 64).cast());
+            }
+            let (p, s) = quant_block::<BITS, VNNI>(w, x, b);
+            a0 = _mm256_fmadd_ps(p, s, a0);
+            let (p, s) = quant_block::<BITS, VNNI>(w, x, b + 1);
+            a1 = _mm256_fmadd_ps(p, s, a1);
+            let (p, s) = quant_block::<BITS, VNNI>(w, x, b + 2);
+            a2 = _mm256_fmadd_ps(p, s, a2);
+            let (p, s) = quant_block::<BITS, VNNI>(w, x, b + 3);
+            a3 = _mm256_fmadd_ps(p, s, a3);
         }
-        let (p, s) = block(b);
-        a0 = _mm256_fmadd_ps(p, s, a0);
-        let (p, s) = block(b + 1);
-        a1 = _mm256_fmadd_ps(p, s, a1);
-        let (p, s) = block(b + 2);
-        a2 = _mm256_fmadd_ps(p, s, a2);
-        let (p, s) = block(b + 3);
-        a3 = _mm256_fmadd_ps(p, s, a3);
+        for b in quads..full {
+            let (p, s) = quant_block::<BITS, VNNI>(w, x, b);
+            a0 = _mm256_fmadd_ps(p, s, a0);
+        }
+        let total = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        let mut sum = hsum(total) - x.offset;
+        if full * BLOCK < cols {
+            sum += x.scales[full] * reference::block_sum(row, bits, cols, full, x.codes) as f32;
+        }
+        sum
     }
-    for b in quads..full {
-        let (p, s) = block(b);
-        a0 = _mm256_fmadd_ps(p, s, a0);
-    }
-    let total = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    let mut sum = hsum(total) - x.offset;
-    if full * BLOCK < cols {
-        sum += x.scales[full] * reference::block_sum(row, bits, cols, full, x.codes) as f32;
-    }
-    sum
 }
 
 /// 16-bit float rows: 32 values per step in four accumulators, the rest scalar.

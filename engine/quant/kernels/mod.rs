@@ -1,5 +1,6 @@
 //! Kernels, one file per instruction set: the [`scalar`] reference, AVX2 (+FMA, F16C) on x86_64
-//! and NEON on aarch64 (ARMv8.0, plus `dotprod` where the CPU has it).
+//! (plus AVX-VNNI where the CPU has it) and NEON on aarch64 (ARMv8.0, plus `dotprod` where the
+//! CPU has it).
 //!
 //! Two families:
 //! - dequantization (packed rows → f32, `q × scale`, one multiplication, no fused multiply-add,
@@ -87,6 +88,9 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     #[cfg(target_arch = "x86_64")]
     if avx2::supported() {
         sets.push(&avx2::KERNELS);
+        if avx2::vnni_supported() {
+            sets.push(&avx2::KERNELS_VNNI);
+        }
     }
     #[cfg(target_arch = "aarch64")]
     {
