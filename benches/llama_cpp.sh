@@ -19,7 +19,7 @@
 # Everything is cached under OUT_DIR and target/llama.cpp except the measurements.
 # Usage: benches/llama_cpp.sh [OUT_DIR]   (after ./setup.sh; needs cmake and a C++ compiler,
 #        and PyPI the first time)   env: THREADS="1 2" (default 1 and all cores), REPS=3 (llama-bench -r),
-#        ENGINE_REPS=1,
+#        ENGINE_REPS=1, PAIRS="Q4_0 4 int8;Q4_0 4 int4" (only these GGUF | --bits | --resident),
 #        LLAMA_CPP_PYTHON_VERSION=0.3.36 (the sdist whose vendor/llama.cpp is built)
 set -euo pipefail
 started=$SECONDS
@@ -33,13 +33,16 @@ threads="${THREADS:-$( [ "$cores" -gt 1 ] && echo "1 $cores" || echo 1 )}"
 reps="${REPS:-3}"
 engine_reps="${ENGINE_REPS:-1}"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-# GGUF type | engine --bits | engine --resident
+# GGUF type | engine --bits | engine --resident. Q4_0 twice: the issue's pairing (INT8 resident)
+# and equal bits (llama-quantize --pure makes every matrix Q4_0, the LM head included).
 pairs=(
   "F32 f32 f32"
   "F16 f16 f16"
   "Q8_0 8 int8"
   "Q4_0 4 int8"
+  "Q4_0 4 int4"
 )
+if [ -n "${PAIRS:-}" ]; then IFS=';' read -r -a pairs <<< "$PAIRS"; fi
 mkdir -p "$out"
 
 # --- llama.cpp: fetch the sdist, build llama-bench and llama-quantize once -----------------
@@ -98,16 +101,17 @@ for pair in "${pairs[@]}"; do
   if [ "$has_resident" = 1 ]; then
     bundle="$out/bundle-e$bits-r$resident"
     extra=(--resident "$resident")
-    labels+=("$gtype|experts $bits, resident $resident")
+    key="e$bits-r$resident"
+    labels+=("$gtype|$key|experts $bits, resident $resident")
   else
     bundle="$out/bundle-e$bits"
     extra=()
-    labels+=("$gtype|experts $bits, resident bf16->f32 (wanted $resident)")
+    key="e$bits"
+    labels+=("$gtype|$key|experts $bits, resident bf16->f32 (wanted $resident)")
   fi
   if [ ! -f "$bundle/config.json" ]; then
     "$bin" convert --hf "$ckpt" --out "$bundle" --bits "$bits" "${extra[@]}" > /dev/null
   fi
-  ln -sfn "$(basename "$bundle")" "$out/bundle-$gtype"
 done
 
 # --- measurements ---------------------------------------------------------------------------
@@ -115,21 +119,27 @@ short="$("$py" benches/llama_cpp_table.py ids 8 1)"
 long="$("$py" benches/llama_cpp_table.py ids 512 2)"
 tlist="$(echo "$threads" | tr ' ' ',')"
 load_start="$(cut -d' ' -f1-3 /proc/loadavg)"
+benched=" "
 for pair in "${pairs[@]}"; do
-  read -r gtype _ _ <<< "$pair"
-  echo "== $gtype: llama-bench, threads $tlist"
-  "$build/bin/llama-bench" -m "$out/olmoe-2l-$gtype.gguf" -p 512 -n 32 -t "$tlist" -r "$reps" \
-    -o json > "$out/llama-bench-$gtype.json" 2> "$out/llama-bench-$gtype.log" \
-    || { tail -20 "$out/llama-bench-$gtype.log"; exit 1; }
-  echo "== $gtype: edgemoe, threads $tlist"
-  rm -f "$out/engine-$gtype"-t*.json
+  read -r gtype bits resident <<< "$pair"
+  key="e$bits-r$resident"
+  [ "$has_resident" = 1 ] || key="e$bits"
+  if [[ "$benched" != *" $gtype "* ]]; then
+    echo "== $gtype: llama-bench, threads $tlist"
+    "$build/bin/llama-bench" -m "$out/olmoe-2l-$gtype.gguf" -p 512 -n 32 -t "$tlist" -r "$reps" \
+      -o json > "$out/llama-bench-$gtype.json" 2> "$out/llama-bench-$gtype.log" \
+      || { tail -20 "$out/llama-bench-$gtype.log"; exit 1; }
+    benched+="$gtype "
+  fi
+  echo "== bundle-$key: edgemoe, threads $tlist"
+  rm -f "$out/engine-$key"-t*.json
   for t in $threads; do
     for r in $(seq 1 "$engine_reps"); do
-      "$bin" generate --model "$out/bundle-$gtype" --prompt-ids "$short" --max-new-tokens 32 \
-        --mode io-free --threads "$t" --ids -q --stats-json "$out/engine-$gtype-t$t-tg-r$r.json" \
+      "$bin" generate --model "$out/bundle-$key" --prompt-ids "$short" --max-new-tokens 32 \
+        --mode io-free --threads "$t" --ids -q --stats-json "$out/engine-$key-t$t-tg-r$r.json" \
         > /dev/null
-      "$bin" generate --model "$out/bundle-$gtype" --prompt-ids "$long" --max-new-tokens 1 \
-        --mode io-free --threads "$t" --ids -q --stats-json "$out/engine-$gtype-t$t-pp-r$r.json" \
+      "$bin" generate --model "$out/bundle-$key" --prompt-ids "$long" --max-new-tokens 1 \
+        --mode io-free --threads "$t" --ids -q --stats-json "$out/engine-$key-t$t-pp-r$r.json" \
         > /dev/null
     done
   done

@@ -62,7 +62,7 @@ def table(out, threads, pairs):
     rows = []
     notes = []
     for pair in pairs:
-        gtype, label = pair.split("|", 1)
+        gtype, key, label = pair.split("|", 2)
         bench = json.load(open(os.path.join(out, f"llama-bench-{gtype}.json")))
         for t in threads:
             tg_l = [r for r in bench if r["n_threads"] == t and r["n_gen"] > 0 and r["n_prompt"] == 0]
@@ -74,9 +74,9 @@ def table(out, threads, pairs):
             tg_llama = 1e3 / tg_l[0]["avg_ts"] if tg_l else float("nan")
             pp_llama = pp_l[0]["avg_ts"] if pp_l else float("nan")
             tg_runs = [json.load(open(p)) for p in
-                       sorted(glob.glob(os.path.join(out, f"engine-{gtype}-t{t}-tg-r*.json")))]
+                       sorted(glob.glob(os.path.join(out, f"engine-{key}-t{t}-tg-r*.json")))]
             pp_runs = [json.load(open(p)) for p in
-                       sorted(glob.glob(os.path.join(out, f"engine-{gtype}-t{t}-pp-r*.json")))]
+                       sorted(glob.glob(os.path.join(out, f"engine-{key}-t{t}-pp-r*.json")))]
             tg_engine = mean([s["decode_ms_per_token"] for s in tg_runs])
             pp_engine = mean([s["samples"][0]["source_tokens"] / (s["encode_ms"] / 1e3)
                               for s in pp_runs])

@@ -4,6 +4,8 @@
 # weights starts to hurt). Each bundle is converted from the checkpoint and run with
 # `edgemoe eval --mode io-free` (all experts in memory) on the first N dialogues.
 # Usage: benches/widths_rouge.sh [N=200] [OUT_DIR=target/widths]   (after ./setup.sh)
+#   RUNS="f32 f32;f32 int4" benches/widths_rouge.sh   # only these experts|resident pairs
+#   (the first pair, f32 f32, is the reference the others are compared with)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -15,7 +17,8 @@ data="$root/../shared/data/samsum/test.jsonl"
 cargo build --release --quiet
 mkdir -p "$out"
 # experts (--bits) | resident (--resident)
-runs=("f32 f32" "f16 f16" "bf16 bf16" "f32 int8" "8 f32" "4 f32" "8 int8" "4 int8")
+runs=("f32 f32" "f16 f16" "bf16 bf16" "f32 int8" "8 f32" "4 f32" "8 int8" "4 int8" "f32 int4" "4 int4")
+if [ -n "${RUNS:-}" ]; then IFS=';' read -r -a runs <<< "$RUNS"; fi
 for run in "${runs[@]}"; do
   read -r bits resident <<<"$run"
   b="$out/e$bits-r$resident"

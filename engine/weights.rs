@@ -381,24 +381,32 @@ impl<'a> TensorLoader<'a> {
         self.take(name, expected_shape)?.to_f32_tensor()
     }
 
-    /// `name` as the engine holds it: a matrix stored as f16, bf16 or INT8 (with its per-row
-    /// scales in `{name}.scales`, see [`int8_scales_name`]) stays in that form; anything else
-    /// (f32, and 1-D f16/bf16 vectors) becomes an owned f32 tensor.
+    /// `name` as the engine holds it: a matrix stored as f16, bf16, INT8 (I8) or INT4 (U8
+    /// `[rows, ⌈cols / 2⌉]`, two codes a byte), the integer ones with per-row scales in
+    /// `{name}.scales` (see [`matrix_scales_name`]), stays in that form; anything else (f32, and
+    /// 1-D f16/bf16 vectors) becomes an owned f32 tensor.
     pub fn take_stored(&mut self, name: &str, expected_shape: &[usize]) -> Result<Stored> {
         let raw = self.files.raw(name)?;
-        raw.check_shape(expected_shape)?;
-        let format = match (raw.dtype, raw.shape.len()) {
+        let format = match (raw.dtype, expected_shape.len()) {
             (Dtype::I8, 2) => Some(MatrixFormat::Quant(QuantBits::Int8)),
+            (Dtype::U8, 2) => Some(MatrixFormat::Quant(QuantBits::Int4)),
             (Dtype::F16, 2) => Some(MatrixFormat::F16),
             (Dtype::BF16, 2) => Some(MatrixFormat::Bf16),
             _ => None,
         };
+        match format {
+            // Packed INT4 rows: the stored shape counts bytes, not values.
+            Some(MatrixFormat::Quant(bits)) if bits != QuantBits::Int8 => {
+                raw.check_shape(&[expected_shape[0], bits.row_bytes(expected_shape[1])])?
+            }
+            _ => raw.check_shape(expected_shape)?,
+        }
         let stored = match format {
             Some(format) => {
-                let (rows, cols) = (raw.shape[0], raw.shape[1]);
+                let (rows, cols) = (expected_shape[0], expected_shape[1]);
                 let scales = match format {
                     MatrixFormat::Quant(_) => {
-                        let scales = self.take_f32(&int8_scales_name(name), &[rows])?;
+                        let scales = self.take_f32(&matrix_scales_name(name), &[rows])?;
                         Vec::<f32>::try_from(&scales)?
                     }
                     _ => Vec::new(),
@@ -441,8 +449,8 @@ pub enum Stored {
     Matrix(PackedMatrix),
 }
 
-/// The tensor holding the per-row scales of INT8 matrix `name` in a resident file.
-pub fn int8_scales_name(name: &str) -> String {
+/// The tensor holding the per-row scales of integer matrix `name` in a resident file.
+pub fn matrix_scales_name(name: &str) -> String {
     format!("{name}.scales")
 }
 

@@ -181,39 +181,21 @@ fn f16_and_bf16_resident_weights_match_transformers_on_rounded_weights() {
     }
 }
 
+/// How each integer resident width is stored, how small it must be, and how far its logits may
+/// stray from f32's (as a share of the largest f32 logit).
+const INTEGER_WIDTHS: [(ResidentWidth, safetensors::Dtype, f64, f32); 2] = [
+    // INT8 channel-wise error is ~0.5%.
+    (ResidentWidth::Int8, safetensors::Dtype::I8, 0.3, 0.1),
+    // INT4 (two codes a byte) is 16× coarser.
+    (ResidentWidth::Int4, safetensors::Dtype::U8, 0.2, 0.5),
+];
+
 #[test]
-fn int8_resident_weights_are_held_as_int8_and_stay_close_to_f32() {
+fn integer_resident_weights_are_held_as_stored_and_stay_close_to_f32() {
     for name in ["tiny-tied-e4", "tiny-olmoe", "tiny-qwen2-moe"] {
         let hf = common::fixture(name);
         let dir32 = tempfile::tempdir().unwrap();
         let b32 = Bundle::open(&common::convert_to(&hf, dir32.path())).unwrap();
-        let dir8 = tempfile::tempdir().unwrap();
-        let out8 = common::convert_at(&hf, dir8.path(), BitPlan::default(), ResidentWidth::Int8);
-        let b8 = Bundle::open(&out8).unwrap();
-        assert_eq!(b8.config.resident_width, "int8");
-
-        // The file holds INT8 matrices with their scales; the model holds them so.
-        let bytes = std::fs::read(out8.join("resident.safetensors")).unwrap();
-        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let int8: Vec<String> = file
-            .tensors()
-            .into_iter()
-            .filter(|(_, t)| t.dtype() == safetensors::Dtype::I8)
-            .map(|(n, _)| n)
-            .collect();
-        assert!(int8.len() > 4, "{name}: INT8 matrices");
-        for n in &int8 {
-            let scales = file.tensor(&format!("{n}.scales")).unwrap();
-            assert_eq!(scales.dtype(), safetensors::Dtype::F32);
-        }
-        let r32 = b32.load_model(tch::Device::Cpu).unwrap().resident_bytes();
-        let r8 = b8.load_model(tch::Device::Cpu).unwrap().resident_bytes();
-        assert!(
-            (r8 as f64) < 0.3 * r32 as f64,
-            "{name}: {r8} resident bytes at int8 vs {r32} at f32"
-        );
-
-        // Close to f32 (INT8 channel-wise error is ~0.5%), not equal to it.
         let case = Case {
             input_ids: match &b32.config.model {
                 ModelSpec::Switch(_) => switch_golden(name).cases[0].input_ids.clone(),
@@ -223,15 +205,56 @@ fn int8_resident_weights_are_held_as_int8_and_stay_close_to_f32() {
             step_logits: vec![vec![]; 2],
         };
         let (_, l32) = run(&b32, &case);
-        let (_, l8) = run(&b8, &case);
-        for (a, b) in l32.iter().zip(&l8) {
-            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let diff = max_abs_diff(a, b);
-            assert!(diff > 0.0, "{name}: INT8 logits identical to f32");
+        let r32 = b32.load_model(tch::Device::Cpu).unwrap().resident_bytes();
+        let mut logits_by_width = Vec::new();
+        for (width, dtype, max_bytes_ratio, tolerance) in INTEGER_WIDTHS {
+            let dir = tempfile::tempdir().unwrap();
+            let out = common::convert_at(&hf, dir.path(), BitPlan::default(), width);
+            let bundle = Bundle::open(&out).unwrap();
+            assert_eq!(bundle.config.resident_width, width.name());
+
+            // The file holds the integer matrices with their scales; the model holds them so.
+            let bytes = std::fs::read(out.join("resident.safetensors")).unwrap();
+            let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let matrices: Vec<String> = file
+                .tensors()
+                .into_iter()
+                .filter(|(_, t)| t.dtype() == dtype)
+                .map(|(n, _)| n)
+                .collect();
+            assert!(matrices.len() > 4, "{name}: {width:?} matrices");
+            for n in &matrices {
+                let scales = file.tensor(&format!("{n}.scales")).unwrap();
+                assert_eq!(scales.dtype(), safetensors::Dtype::F32);
+            }
+            let held = bundle
+                .load_model(tch::Device::Cpu)
+                .unwrap()
+                .resident_bytes();
             assert!(
-                diff < 0.1 * scale.max(0.1),
-                "{name}: INT8 logits differ by {diff} (scale {scale})"
+                (held as f64) < max_bytes_ratio * r32 as f64,
+                "{name}: {held} resident bytes at {width:?} vs {r32} at f32"
             );
+
+            // Close to f32, not equal to it.
+            let (_, logits) = run(&bundle, &case);
+            for (a, b) in l32.iter().zip(&logits) {
+                let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = max_abs_diff(a, b);
+                assert!(diff > 0.0, "{name}: {width:?} logits identical to f32");
+                assert!(
+                    diff < tolerance * scale.max(0.1),
+                    "{name}: {width:?} logits differ by {diff} (scale {scale})"
+                );
+            }
+            logits_by_width.push(logits);
         }
+        // INT4 is computed as INT4, not as the INT8 path: its error is its own.
+        let int8_vs_int4 = max_abs_diff(&logits_by_width[0][0], &logits_by_width[1][0]);
+        let int8_vs_f32 = max_abs_diff(&logits_by_width[0][0], &l32[0]);
+        assert!(
+            int8_vs_int4 > 2.0 * int8_vs_f32,
+            "{name}: INT4 logits {int8_vs_int4} from INT8's, INT8 {int8_vs_f32} from f32"
+        );
     }
 }

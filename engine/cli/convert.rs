@@ -33,8 +33,8 @@ pub struct ConvertArgs {
     /// Per-expert widths from a plan (written by `tune-bits`).
     #[arg(long, value_name = "PLAN.json")]
     plan: Option<PathBuf>,
-    /// Width of the resident (non-expert) matrices: f32 (the parity reference), f16, bf16 or
-    /// int8 (channel-wise). Norms and biases stay f32.
+    /// Width of the resident (non-expert) matrices: f32 (the parity reference), f16, bf16, int8
+    /// or int4 (channel-wise; int4 costs accuracy, measure it). Norms and biases stay f32.
     #[arg(long, value_name = "WIDTH", default_value = "f32")]
     resident: ResidentWidth,
 }

@@ -41,7 +41,7 @@ use crate::offline::bit_plan::BitPlan;
 use crate::quant::QuantBits;
 use crate::store::{ExpertEncoding, ExpertStoreWriter};
 use crate::tokenizer::Tokenizer;
-use crate::weights::{int8_scales_name, TensorBytes, WeightDtype, WeightFiles};
+use crate::weights::{matrix_scales_name, TensorBytes, WeightDtype, WeightFiles};
 
 pub struct ConvertOptions {
     pub hf_dir: PathBuf,
@@ -60,7 +60,7 @@ pub struct ConvertOptions {
 
 /// Width of a bundle's resident (non-expert) matrices: embeddings, attention projections,
 /// dense FFNs, routers, the LM head. Vectors (norms, biases) stay f32 whatever the width, and
-/// T5's relative-position table (looked up, never multiplied) is f32 at `int8`.
+/// T5's relative-position table (looked up, never multiplied) is f32 at `int8` and `int4`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ResidentWidth {
     /// The parity reference: widened from the checkpoint's dtype, computed by libtorch.
@@ -70,14 +70,19 @@ pub enum ResidentWidth {
     Bf16,
     /// Channel-wise symmetric INT8 (one f32 scale per output row, in `{name}.scales`).
     Int8,
+    /// Channel-wise symmetric INT4, two codes a byte as experts pack them (stored as U8
+    /// `[rows, ⌈cols / 2⌉]`, scales as for INT8): llama.cpp's `Q4_0` width for the whole model,
+    /// and where resident weights start to cost accuracy (BENCHMARKS §9.4).
+    Int4,
 }
 
 impl ResidentWidth {
-    pub const ALL: [ResidentWidth; 4] = [
+    pub const ALL: [ResidentWidth; 5] = [
         ResidentWidth::F32,
         ResidentWidth::F16,
         ResidentWidth::Bf16,
         ResidentWidth::Int8,
+        ResidentWidth::Int4,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +91,16 @@ impl ResidentWidth {
             ResidentWidth::F16 => "f16",
             ResidentWidth::Bf16 => "bf16",
             ResidentWidth::Int8 => "int8",
+            ResidentWidth::Int4 => "int4",
+        }
+    }
+
+    /// The integer width of a quantized resident width.
+    fn quant_bits(self) -> Option<QuantBits> {
+        match self {
+            ResidentWidth::Int8 => Some(QuantBits::Int8),
+            ResidentWidth::Int4 => Some(QuantBits::Int4),
+            _ => None,
         }
     }
 }
@@ -98,7 +113,7 @@ impl std::str::FromStr for ResidentWidth {
             .into_iter()
             .find(|w| w.name() == s)
             .ok_or_else(|| {
-                format!("unknown resident width `{s}` (expected f32, f16, bf16 or int8)")
+                format!("unknown resident width `{s}` (expected f32, f16, bf16, int8 or int4)")
             })
     }
 }
@@ -111,8 +126,8 @@ struct ResidentTensor {
     data: Vec<u8>,
 }
 
-/// `t` (stored as `name`) at `width`: matrices at the width (INT8 adds a scales tensor),
-/// vectors as f32.
+/// `t` (stored as `name`) at `width`: matrices at the width (INT8 and INT4 add a scales
+/// tensor), vectors as f32.
 fn resident_at_width(
     name: &str,
     t: &TensorBytes<'_>,
@@ -129,7 +144,7 @@ fn resident_at_width(
         ));
     }
     let is_matrix = shape.len() == 2
-        && !(width == ResidentWidth::Int8 && name.ends_with("relative_attention_bias.weight"));
+        && !(width.quant_bits().is_some() && name.ends_with("relative_attention_bias.weight"));
     let one = |dtype, data| {
         Ok(vec![ResidentTensor {
             name: name.to_string(),
@@ -158,19 +173,24 @@ fn resident_at_width(
                 .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
                 .collect(),
         ),
-        (ResidentWidth::Int8, true) => {
+        (ResidentWidth::Int8 | ResidentWidth::Int4, true) => {
+            let bits = width.quant_bits().expect("a quantized width");
             let (rows, cols) = (shape[0], shape[1]);
-            let (codes, scales) = crate::quant::quantize(&values, rows, cols, QuantBits::Int8)
+            let (codes, scales) = crate::quant::quantize(&values, rows, cols, bits)
                 .map_err(|e| Error::tensor(t.path, t.name, e.to_string()))?;
+            let (dtype, stored_shape) = match bits {
+                QuantBits::Int8 => (Dtype::I8, shape.clone()),
+                _ => (Dtype::U8, vec![rows, bits.row_bytes(cols)]),
+            };
             Ok(vec![
                 ResidentTensor {
                     name: name.to_string(),
-                    dtype: Dtype::I8,
-                    shape: shape.clone(),
+                    dtype,
+                    shape: stored_shape,
                     data: codes,
                 },
                 ResidentTensor {
-                    name: int8_scales_name(name),
+                    name: matrix_scales_name(name),
                     dtype: Dtype::F32,
                     shape: vec![rows],
                     data: scales.iter().flat_map(|v| v.to_le_bytes()).collect(),
