@@ -2,7 +2,8 @@
 //! next to this machine's memory bandwidth measured here (a STREAM-style read, copy and triad
 //! over 512 MiB arrays, on one thread like the kernels below).
 //!
-//! Shapes: an OLMoE-1B-7B expert matrix `[1024, 2048]`, and its LM head `[50304, 2048]` (the
+//! Shapes: a switch-base-8 expert's first matrix `[3072, 768]` (short rows: 24 blocks of 32),
+//! an OLMoE-1B-7B expert matrix `[1024, 2048]`, and its LM head `[50304, 2048]` (the
 //! largest single matrix: 412 MB at f32, 206 at f16, 103 at INT8, 52 at INT4 — far beyond a
 //! board's last-level cache, but a server's L3 can hold the smaller ones, so compare the f32 and
 //! f16 ones with the bandwidth there). GEMV is one activation row (a decode step); GEMM is 64
@@ -103,7 +104,11 @@ fn kernels(c: &mut Criterion) {
     // One thread throughout, as the engine runs libtorch (no compute pool is set up here).
     tch::set_num_threads(1);
     stream();
-    for (name, rows, cols) in [("expert", 1024, 2048), ("lm-head", 50304, 2048)] {
+    for (name, rows, cols) in [
+        ("switch-expert", 3072, 768),
+        ("expert", 1024, 2048),
+        ("lm-head", 50304, 2048),
+    ] {
         let w = weights(rows * cols);
         for format in FORMATS {
             let m = PackedMatrix::encode(&w, rows, cols, format).unwrap();
