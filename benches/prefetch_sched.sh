@@ -11,7 +11,7 @@ profiles=${PROFILES:-rpi4-sd rpi5-sd rpi5-nvme}
 buffers=${BUFFERS:-6 10 16 24}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-printf 'build\tprofile\tbuffer\tprefetch\tms_per_token\thit_ratio\tstall_ms_per_token\tbytes_read\tprefetch_bytes\twasted_bytes\tids_md5\n' >"$out"
+printf 'build\tprofile\tbuffer\tprefetch\tms_per_token\thit_ratio\tstall_ms_per_token\tbytes_read\tprefetch_bytes\twasted_bytes\tids_md5\tms_per_document\n' >"$out"
 for p in $profiles; do
   for b in $buffers; do
     for build in "$@"; do
@@ -29,7 +29,8 @@ ids = hashlib.md5(json.dumps(s["output_ids"]).encode()).hexdigest()[:8]
 print("\t".join(map(str, [*sys.argv[2:6],
   round(s["decode_ms_per_token"], 2), round(s["hit_ratio"], 3),
   round(s.get("stall_ms_per_token", 0), 2), s["bytes_read"],
-  pf.get("bytes_read", 0), pf.get("wasted_bytes", 0), ids])))
+  pf.get("bytes_read", 0), pf.get("wasted_bytes", 0), ids,
+  round(sum(x["sample_ms"] for x in s["samples"]) / max(1, len(s["samples"])), 1)])))
 PY
       done
     done

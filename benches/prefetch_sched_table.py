@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Median over rounds of benches/prefetch_sched.sh TSVs → the markdown table of BENCHMARKS §11:
 ms/token, hit ratio, wasted share and stall per cell as medians over the rounds; on/off as the
-median (and range) of each round's ratio of its two back-to-back runs.
+median (and range) of each round's ratio of its two back-to-back runs; with TSVs that have
+`ms_per_document` (encoder + decoding of one dialogue), its on/off too.
 Usage: benches/prefetch_sched_table.py ROUND1.tsv [ROUND2.tsv ...]"""
 import csv, statistics, sys
 from collections import defaultdict
@@ -9,6 +10,7 @@ from collections import defaultdict
 runs = defaultdict(list)
 # on/off of the two runs made back to back in one round: the ratio the machine's load disturbs least.
 paired = defaultdict(list)
+paired_doc = defaultdict(list)
 for path in sys.argv[1:]:
     rows = list(csv.DictReader(open(path), delimiter="\t"))
     for row in rows:
@@ -17,6 +19,11 @@ for path in sys.argv[1:]:
     for (b, p, buf, mode), ms in by.items():
         if mode == "on" and (b, p, buf, "off") in by:
             paired[(b, p, int(buf))].append(ms / by[(b, p, buf, "off")])
+    doc = {(r["build"], r["profile"], r["buffer"], r["prefetch"]): float(r["ms_per_document"])
+           for r in rows if r.get("ms_per_document")}
+    for (b, p, buf, mode), ms in doc.items():
+        if mode == "on" and (b, p, buf, "off") in doc:
+            paired_doc[(b, p, int(buf))].append(ms / doc[(b, p, buf, "off")])
 
 def med(key, field):
     rows = runs.get(key)
@@ -27,6 +34,8 @@ configs = sorted({(k[1], k[2]) for k in runs}, key=lambda c: (["rpi4-sd", "rpi5-
 head = ["profile", "buffer"]
 for b in builds:
     head += [f"{b} on ms/tok", f"{b} off", f"{b} on/off (paired)", f"{b} hit on/off", f"{b} wasted %", f"{b} stall on/off"]
+    if any(k[0] == b for k in paired_doc):
+        head += [f"{b} per document on/off"]
 print("| " + " | ".join(head) + " |")
 print("|" + "---|" * len(head))
 for p, buf in configs:
@@ -37,6 +46,9 @@ for p, buf in configs:
         wasted = med((b, p, buf, "on"), "wasted_bytes") / max(1.0, med((b, p, buf, "on"), "bytes_read"))
         son, soff = med((b, p, buf, "on"), "stall_ms_per_token"), med((b, p, buf, "off"), "stall_ms_per_token")
         cells += [f"{on:.2f}", f"{off:.2f}", f"**{statistics.median(paired[(b, p, buf)]):.2f}×** ({min(paired[(b, p, buf)]):.2f}–{max(paired[(b, p, buf)]):.2f})", f"{hon:.2f} / {hoff:.2f}", f"{100 * wasted:.0f}%", f"{son:.1f} / {soff:.1f}"]
+        if any(k[0] == b for k in paired_doc):
+            d = paired_doc.get((b, p, buf), [])
+            cells += [f"{statistics.median(d):.2f}× ({min(d):.2f}–{max(d):.2f})" if d else "—"]
     print("| " + " | ".join(cells) + " |")
 n = {len(v) for v in runs.values()}
 print(f"\n(median of {sorted(n)} runs per cell)")

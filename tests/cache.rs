@@ -505,3 +505,72 @@ fn reading_the_next_expert_ahead_never_evicts_an_expert_needed_sooner() {
             .contains(&Some(id(Stack::Encoder, enc[0], 3))));
     }
 }
+
+/// On a one-channel device (a store opened without a profile has queue depth 1) speculation
+/// runs in decode steps only: the same confident prediction for the next MoE block starts a
+/// read after a one-token layer, and none after an encoder layer or a prompt prefill of 20
+/// tokens (which keep the channel busy with their own experts; the encoder's speculative
+/// reads took the decoder's slots).
+#[test]
+fn speculative_reads_start_in_decode_steps_only() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    // (fixture, stack, tokens routed, device channels, speculative reads expected)
+    let cases = [
+        ("tiny-tied-e4", Stack::Decoder, 1, 1, 1),
+        ("tiny-tied-e4", Stack::Encoder, 20, 1, 0),
+        ("tiny-mixtral", Stack::Decoder, 1, 1, 1),
+        ("tiny-mixtral", Stack::Decoder, 20, 1, 0),
+        // Several channels (NVMe): spare ones serve speculation in any call.
+        ("tiny-tied-e4", Stack::Encoder, 20, 4, 1),
+        ("tiny-mixtral", Stack::Decoder, 20, 4, 1),
+    ];
+    for (fixture, stack, tokens, channels, expect_reads) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let bundle =
+            Bundle::open(&common::convert_to(&common::fixture(fixture), dir.path())).unwrap();
+        let spec = &bundle.config.model;
+        let blocks = spec.moe_blocks(stack);
+        assert!(
+            blocks.len() >= 2,
+            "{fixture}: two MoE blocks in the {stack:?}"
+        );
+        let id = |layer: usize, expert| ExpertId {
+            stack,
+            layer: layer as u16,
+            expert,
+        };
+        let mut store = bundle.open_store().unwrap();
+        store.set_queue_depth(channels);
+        let mut buffer = ExpertBuffer::with_options(
+            store,
+            spec,
+            &BufferOptions {
+                slots: 4,
+                policy: Policy::Edgemoe,
+                prefetch: true,
+                prefetch_cap_bytes: u64::MAX,
+                predictor: PredictorKind::Gate,
+                stand_in: None,
+            },
+            None,
+        )
+        .unwrap();
+        buffer.begin_step(stack);
+        // The gate lookahead: every token goes to expert 2 in the next MoE block (k = 1 here,
+        // whatever the model's k: only the prediction's share per token matters).
+        buffer
+            .predicted(stack, blocks[1], 1, &vec![2; tokens])
+            .unwrap();
+        buffer
+            .routed(stack, blocks[0], 1, &vec![0; tokens])
+            .unwrap();
+        // The layer's only expert is at hand: its predictions may start.
+        buffer.expert(id(blocks[0], 0), None).unwrap();
+        assert_eq!(
+            buffer.stats().prefetch.issued,
+            expect_reads,
+            "{fixture}, {stack:?} call of {tokens} tokens, {channels} channels: speculative reads"
+        );
+    }
+}

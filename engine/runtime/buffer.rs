@@ -643,12 +643,18 @@ impl ExpertBuffer {
         }
     }
 
+    /// Whether the forward call being computed is a decode step: at most [`MAX_ROWS`] tokens
+    /// routed to the layer (one per sequence or beam), not an encoder pass or a prompt prefill.
+    fn decode_step(&self) -> bool {
+        self.call_rows <= MAX_ROWS
+    }
+
     /// Whether `id` is computed by its stand-in: stand-ins are on, `id` has one, the layer's
     /// forward call is small (a decode step), and the full expert is not ready in a slot
     /// (absent, or its read not finished).
     fn stand_in_serves(&mut self, id: ExpertId) -> Result<bool> {
         let has = self.stand_ins.as_ref().is_some_and(|s| s.has(id));
-        if !has || self.call_rows > MAX_ROWS {
+        if !has || !self.decode_step() {
             return Ok(false);
         }
         self.drain_completions()?;
@@ -865,14 +871,26 @@ impl ExpertProvider for ExpertBuffer {
                     .expect(PredictorKind::Both, next_stack, next_block, &both);
             }
         }
-        // Started once this layer's own experts have been demanded (see `deferred`).
-        self.deferred = match self.predictor_kind {
-            PredictorKind::Dictionary => dictionary.unwrap_or_default(),
-            PredictorKind::Gate => gate.unwrap_or_default(),
-            PredictorKind::Both => combined_prediction(
-                dictionary.as_deref().unwrap_or(&[]),
-                gate.as_deref().unwrap_or(&[]),
-            ),
+        // Started once this layer's own experts have been demanded (see `deferred`). On a
+        // one-channel device (an SD card), in decode steps only: an encoder pass or a prompt
+        // prefill demands most of each layer's experts anyway, one after the other, with the
+        // next one read ahead while the current one computes, so the channel is never idle
+        // and a speculative read only delays those reads and takes slots the decoder needs
+        // next (BENCHMARKS §11: decoding with prefetch on went from 1.11× off to 0.90× at
+        // rpi4-sd 10 experts). With several channels (NVMe) the spare ones serve it, and there
+        // it paid (per document 0.95× off against 1.03× without).
+        let speculate = self.decode_step() || self.store.queue_depth() > 1;
+        self.deferred = if !speculate {
+            Vec::new()
+        } else {
+            match self.predictor_kind {
+                PredictorKind::Dictionary => dictionary.unwrap_or_default(),
+                PredictorKind::Gate => gate.unwrap_or_default(),
+                PredictorKind::Both => combined_prediction(
+                    dictionary.as_deref().unwrap_or(&[]),
+                    gate.as_deref().unwrap_or(&[]),
+                ),
+            }
         };
         Ok(())
     }
