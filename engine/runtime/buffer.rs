@@ -877,8 +877,8 @@ impl ExpertProvider for ExpertBuffer {
         // next one read ahead while the current one computes, so the channel is never idle
         // and a speculative read only delays those reads and takes slots the decoder needs
         // next (BENCHMARKS §11: decoding with prefetch on went from 1.11× off to 0.90× at
-        // rpi4-sd 10 experts). With several channels (NVMe) the spare ones serve it, and there
-        // it paid (per document 0.95× off against 1.03× without).
+        // rpi4-sd 10 experts). With several channels (NVMe) the spare ones can serve it; there
+        // the measurements could not tell the two rules apart, so speculation stays.
         let speculate = self.decode_step() || self.store.queue_depth() > 1;
         self.deferred = if !speculate {
             Vec::new()
