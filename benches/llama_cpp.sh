@@ -95,18 +95,20 @@ if [ "$has_resident" = 0 ]; then
   echo "note: this edgemoe has no 'convert --resident': engine bundles keep the checkpoint's bf16" \
     "resident weights (computed in f32); the resident width of each pair is NOT applied"
 fi
+# Each pair's bundle is $out/bundle-KEY; KEY also names its measurement files.
+bundle_key() {
+  if [ "$has_resident" = 1 ]; then echo "e$1-r$2"; else echo "e$1"; fi
+}
 labels=()
 for pair in "${pairs[@]}"; do
   read -r gtype bits resident <<< "$pair"
+  key="$(bundle_key "$bits" "$resident")"
+  bundle="$out/bundle-$key"
   if [ "$has_resident" = 1 ]; then
-    bundle="$out/bundle-e$bits-r$resident"
     extra=(--resident "$resident")
-    key="e$bits-r$resident"
     labels+=("$gtype|$key|experts $bits, resident $resident")
   else
-    bundle="$out/bundle-e$bits"
     extra=()
-    key="e$bits"
     labels+=("$gtype|$key|experts $bits, resident bf16->f32 (wanted $resident)")
   fi
   if [ ! -f "$bundle/config.json" ]; then
@@ -122,8 +124,7 @@ load_start="$(cut -d' ' -f1-3 /proc/loadavg)"
 benched=" "
 for pair in "${pairs[@]}"; do
   read -r gtype bits resident <<< "$pair"
-  key="e$bits-r$resident"
-  [ "$has_resident" = 1 ] || key="e$bits"
+  key="$(bundle_key "$bits" "$resident")"
   if [[ "$benched" != *" $gtype "* ]]; then
     echo "== $gtype: llama-bench, threads $tlist"
     "$build/bin/llama-bench" -m "$out/olmoe-2l-$gtype.gguf" -p 512 -n 32 -t "$tlist" -r "$reps" \
