@@ -713,31 +713,15 @@ pub fn requantize_bundle(source: &Path, out: &Path, bits: &BitPlan) -> Result<()
     for &(id, encoding) in &plan {
         let entry = store.entry(id).expect("listed by the store").clone();
         store.read_expert(id, slot.as_mut_slice())?;
-        let stored = crate::runtime::codec::stored_matrices(&entry, slot.as_slice())?;
         let (matrices, length) = spec.expert_layout().blob(encoding);
         let mut blob = vec![0u8; length as usize];
-        for (m, t) in matrices.iter().zip(&stored) {
-            let mut values = vec![0f32; t.rows() * t.cols()];
-            t.dequantize_rows(0, t.rows(), &mut values)?;
-            let bytes = values
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<u8>>();
-            let view = MatrixBytes {
-                name: format!("{id} {}", m.name),
-                path: &store_path,
-                dtype: WeightDtype::F32,
-                rows: m.rows as usize,
-                cols: m.cols as usize,
-                data: &bytes,
-            };
-            let (packed, scales) = stored_bytes(&view, encoding)?;
-            blob[m.offset as usize..(m.offset + m.bytes) as usize].copy_from_slice(&packed);
-            let at = m.scales_offset as usize;
-            for (i, s) in scales.iter().enumerate() {
-                blob[at + 4 * i..at + 4 * i + 4].copy_from_slice(&s.to_le_bytes());
-            }
-        }
+        crate::runtime::codec::reencode_expert(
+            &entry,
+            slot.as_slice(),
+            &matrices,
+            encoding,
+            &mut blob,
+        )?;
         writer.write_next(&blob)?;
     }
     writer.finish()?;

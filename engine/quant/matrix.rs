@@ -130,6 +130,16 @@ impl<'a> MatrixRef<'a> {
         self.data.len() + self.scales.len() * 4
     }
 
+    /// The packed rows as stored.
+    pub fn data(&self) -> &'a [u8] {
+        self.data
+    }
+
+    /// One scale per row for integer formats, none for float ones.
+    pub fn scales(&self) -> &'a [f32] {
+        self.scales
+    }
+
     fn row(&self, r: usize) -> &'a [u8] {
         let n = self.format.row_bytes(self.cols);
         &self.data[r * n..(r + 1) * n]

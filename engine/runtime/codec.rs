@@ -5,8 +5,8 @@
 use crate::error::{Error, Result};
 use crate::model::layers::Weight;
 use crate::model::provider::ExpertWeights;
-use crate::quant::matrix::{MatrixFormat, MatrixRef};
-use crate::store::{ExpertEncoding, ExpertEntry};
+use crate::quant::matrix::{MatrixFormat, MatrixRef, PackedMatrix};
+use crate::store::{ExpertEncoding, ExpertEntry, MatrixEntry};
 use crate::weights::WeightDtype;
 
 /// How matrices of `encoding` are laid out for the kernels.
@@ -50,6 +50,55 @@ pub fn stored_matrices<'a>(entry: &ExpertEntry, bytes: &'a [u8]) -> Result<Vec<M
             MatrixRef::new(format, m.rows as usize, m.cols as usize, data, scales)
         })
         .collect()
+}
+
+/// Re-encodes one stored expert (`entry`, its blob in `bytes`) into `blob`, laid out by
+/// `matrices` (from [`crate::store::format::layout_blob`] for `encoding`): each matrix decoded
+/// to f32 and encoded again, its per-row scales written little-endian as the store keeps them.
+pub fn reencode_expert(
+    entry: &ExpertEntry,
+    bytes: &[u8],
+    matrices: &[MatrixEntry],
+    encoding: ExpertEncoding,
+    blob: &mut [u8],
+) -> Result<()> {
+    let id = entry.id;
+    let sources = stored_matrices(entry, bytes)?;
+    if sources.len() != matrices.len() {
+        return Err(Error::Internal(format!(
+            "{id}: {} matrices stored, {} in the layout",
+            sources.len(),
+            matrices.len()
+        )));
+    }
+    for (m, source) in matrices.iter().zip(sources) {
+        let (rows, cols) = (m.rows as usize, m.cols as usize);
+        if (source.rows(), source.cols()) != (rows, cols) {
+            return Err(Error::Internal(format!(
+                "{id}: `{}` is [{}, {}] in the store, [{rows}, {cols}] in the layout",
+                m.name,
+                source.rows(),
+                source.cols()
+            )));
+        }
+        let mut values = vec![0f32; rows * cols];
+        source.dequantize_rows(0, rows, &mut values)?;
+        let encoded = PackedMatrix::encode(&values, rows, cols, matrix_format(encoding))?;
+        let view = encoded.view();
+        let outside = || Error::Internal(format!("{id}: `{}` outside its new blob", m.name));
+        blob.get_mut(m.offset as usize..(m.offset + m.bytes) as usize)
+            .filter(|d| d.len() == view.data().len())
+            .ok_or_else(outside)?
+            .copy_from_slice(view.data());
+        let scales_at = m.scales_offset as usize;
+        let scales = blob
+            .get_mut(scales_at..scales_at + 4 * view.scales().len())
+            .ok_or_else(outside)?;
+        for (dst, s) in scales.chunks_exact_mut(4).zip(view.scales()) {
+            dst.copy_from_slice(&s.to_le_bytes());
+        }
+    }
+    Ok(())
 }
 
 /// One stored expert's weights as views of `bytes` (its slot), ready for the model.

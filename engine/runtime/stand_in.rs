@@ -24,7 +24,7 @@ use crate::store::{
     MATRIX_ALIGN,
 };
 
-use super::codec::{expert_weights, stored_matrices};
+use super::codec::{expert_weights, reencode_expert};
 
 /// Most tokens a forward call may route to a layer for its missing experts to be computed by
 /// their stand-ins (a decode step of up to 16 sequences or beams).
@@ -89,29 +89,7 @@ impl StandIns {
             load_bytes += store.read_expert(id, scratch.as_mut_slice())?;
             let at = i * stride;
             let blob = &mut memory.as_mut_slice()[at..at + stride];
-            for (m, source) in matrices
-                .iter()
-                .zip(stored_matrices(&stored, scratch.as_slice())?)
-            {
-                let (rows, cols) = (m.rows as usize, m.cols as usize);
-                if (source.rows(), source.cols()) != (rows, cols) {
-                    return Err(Error::Internal(format!(
-                        "stand-in for {id}: `{}` is [{}, {}] in the store, [{rows}, {cols}] in the layout",
-                        m.name,
-                        source.rows(),
-                        source.cols()
-                    )));
-                }
-                let mut values = vec![0f32; rows * cols];
-                source.dequantize_rows(0, rows, &mut values)?;
-                let (packed, scales) = crate::quant::quantize(&values, rows, cols, bits)?;
-                blob[m.offset as usize..(m.offset + m.bytes) as usize].copy_from_slice(&packed);
-                let scales_at = m.scales_offset as usize;
-                for (j, s) in scales.iter().enumerate() {
-                    blob[scales_at + 4 * j..scales_at + 4 * j + 4]
-                        .copy_from_slice(&s.to_ne_bytes());
-                }
-            }
+            reencode_expert(&stored, scratch.as_slice(), &matrices, encoding, blob)?;
             let entry = ExpertEntry {
                 id,
                 offset: at as u64,
