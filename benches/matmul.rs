@@ -7,7 +7,9 @@
 //! largest single matrix: 412 MB at f32, 206 at f16, 103 at INT8, 52 at INT4 — far beyond a
 //! board's last-level cache, but a server's L3 can hold the smaller ones, so compare the f32 and
 //! f16 ones with the bandwidth there). GEMV is one activation row (a decode step); GEMM is 64
-//! rows (an expert's share of a 512-token prefill).
+//! rows (an expert's share of a 512-token prefill): integer formats take the integer GEMM where
+//! the CPU has one (printed first), the others libtorch's f32 GEMM, so the f32 row is the
+//! reference the integer ones are compared with.
 //!
 //! `cargo bench --bench matmul` (criterion prints the throughput; the STREAM figures are printed
 //! first, as `stream read` / `stream copy` / `stream triad` in GB/s).
@@ -16,7 +18,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use edgemoe::quant::matrix::{matmul, matmul_kernel, MatrixFormat, PackedMatrix};
+use edgemoe::quant::matrix::{int_gemm_kernel, matmul, matmul_kernel, MatrixFormat, PackedMatrix};
 use edgemoe::quant::QuantBits;
 
 const FORMATS: [MatrixFormat; 6] = [
@@ -98,6 +100,10 @@ fn stream() {
     println!("stream copy  {copy:.1} GB/s (1 thread)");
     println!("stream triad {triad:.1} GB/s (1 thread)");
     println!("kernels: {}", matmul_kernel());
+    println!(
+        "integer GEMM: {}",
+        int_gemm_kernel().unwrap_or("none (dequantized tiles + libtorch's f32 GEMM)")
+    );
 }
 
 fn kernels(c: &mut Criterion) {

@@ -8,8 +8,11 @@
 //!   accumulate with FMA. Integer formats quantize each activation row to INT8 in blocks of 32
 //!   (one f32 scale per block, as llama.cpp's Q8_0) and take integer dot products per block:
 //!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
-//! - **GEMM** (prefill, the encoder): tiles of [`TILE_ROWS`] weight rows are dequantized into a
-//!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place).
+//! - **GEMM** (prefill, the encoder): integer formats take the integer GEMM of
+//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI): activations rounded to INT8 blocks as
+//!   for the GEMV, the same integer block sums, no weight expanded. Otherwise (float formats,
+//!   other CPUs) tiles of [`TILE_ROWS`] weight rows are dequantized into a small scratch and
+//!   multiplied by libtorch's GEMM (f32 weights are used in place).
 //!
 //! Both paths split their work over the compute threads of [`super::parallel`] (GEMV: tasks of
 //! weight rows; GEMM: tiles), with libtorch itself on one thread. Tiles are the same at every
@@ -25,6 +28,7 @@ use std::sync::Mutex;
 use half::slice::HalfFloatSliceExt;
 use tch::{Device, Kind, Tensor};
 
+use super::kernels::gemm::{GemmActs, GemmRows, IntGemm, LANES};
 use super::kernels::{self, scalar, Kernels, QuantRow, BLOCK};
 use super::parallel;
 use super::{dequantize_into, QuantBits};
@@ -347,9 +351,101 @@ pub fn matmul(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<
         return Ok(());
     }
     if n >= GEMM_MIN_ROWS {
+        if let (MatrixFormat::Quant(bits), Some(int)) = (w.format, kernels::int_gemm()) {
+            gemm_int(x, n, w, bits, int, out);
+            return Ok(());
+        }
         return gemm(x, n, w, out);
     }
     gemv(x, n, w, out, kernels::best())
+}
+
+/// Whether [`matmul`] rounds `n` activation rows to INT8 blocks for weights of `format` (the
+/// integer GEMV and GEMM do; tests build their references accordingly).
+pub fn rounds_activations(format: MatrixFormat, n: usize) -> bool {
+    matches!(format, MatrixFormat::Quant(_)) && (n < GEMM_MIN_ROWS || kernels::int_gemm().is_some())
+}
+
+/// The integer GEMM path: activations rounded and laid out once, then tiles of [`TILE_ROWS`]
+/// weight rows spread over the compute threads, each tile's rows unpacked to bytes (INT8 rows
+/// with whole blocks are used where they lie) and multiplied into a per-thread `[rows, n]`
+/// product, which the task writes into its own columns of `out`. Every output is one kernel's
+/// sum over the whole row, so tiles and threads change nothing.
+pub(crate) fn gemm_int(
+    x: &[f32],
+    n: usize,
+    w: MatrixRef<'_>,
+    bits: QuantBits,
+    kernel: &IntGemm,
+    out: &mut [f32],
+) {
+    ACTS.with_borrow_mut(|acts| {
+        (kernel.prepare_acts)(x, n, w.cols, bits, acts);
+        products_by_tile(n, w, bits, kernel, acts, out)
+    })
+}
+
+/// The tiles of [`gemm_int`], on prepared activations.
+fn products_by_tile(
+    n: usize,
+    w: MatrixRef<'_>,
+    bits: QuantBits,
+    kernel: &IntGemm,
+    acts: &GemmActs,
+    out: &mut [f32],
+) {
+    let (rows, cols) = (w.rows, w.cols);
+    let stride = acts.groups * LANES;
+    let blocks = acts.blocks;
+    let row_bytes = bits.row_bytes(cols);
+    let tile_rows = TILE_ROWS.min(rows);
+    let tasks = rows.div_ceil(tile_rows);
+    // An address, not a reference: each task writes its own columns.
+    let out_at = out.as_mut_ptr() as usize;
+    parallel::for_each_task(tasks, &|t| {
+        let (start, end) = (t * tile_rows, ((t + 1) * tile_rows).min(rows));
+        let packed = &w.data[start * row_bytes..end * row_bytes];
+        INT_SCRATCH.with_borrow_mut(|scratch| {
+            let IntScratch {
+                codes,
+                bias,
+                products,
+            } = scratch;
+            let codes = (kernel.prepare_rows)(packed, bits, cols, end - start, codes, bias);
+            let tile = GemmRows {
+                codes,
+                bias,
+                scales: &w.scales[start..end],
+                rows: end - start,
+                blocks,
+            };
+            products.resize((end - start) * stride, 0.0);
+            (kernel.run)(&tile, acts, products);
+            for i in 0..n {
+                // SAFETY: `out` is `[n, rows]` (checked by `matmul`) and outlives every task
+                // (for_each_task returns after all of them); columns `start..end` belong to this
+                // task alone.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (out_at as *mut f32).add(i * rows + start),
+                        end - start,
+                    )
+                };
+                // Row by row of `out` (the products are small enough to stay in cache).
+                for (d, ys) in dst.iter_mut().zip(products.chunks_exact(stride)) {
+                    *d = ys[i];
+                }
+            }
+        })
+    });
+}
+
+/// A compute thread's integer GEMM tile: unpacked codes, their block biases and the products.
+#[derive(Default)]
+struct IntScratch {
+    codes: Vec<u8>,
+    bias: Vec<i32>,
+    products: Vec<f32>,
 }
 
 /// The GEMV path with the given kernels (tests compare kernel sets).
@@ -515,17 +611,36 @@ fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
 thread_local! {
     /// A compute thread's dequantized GEMM tile (at most [`TILE_ROWS`] × the widest matrix).
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static INT_SCRATCH: std::cell::RefCell<IntScratch> = std::cell::RefCell::default();
+    /// The calling thread's prepared activations of an integer GEMM (the helpers read them).
+    static ACTS: std::cell::RefCell<GemmActs> = std::cell::RefCell::default();
 }
 
-/// The kernel set this CPU uses: `"avx2"`, `"neon-dotprod"`, `"neon"` or `"scalar"`.
+/// The kernel set this CPU uses: `"avx2"`, `"avx2+vnni"`, `"neon-dotprod"`, `"neon"` or
+/// `"scalar"`.
 pub fn matmul_kernel() -> &'static str {
     kernels::best().name
+}
+
+/// The integer GEMM this CPU uses (`"avx512-vnni"`), or `None` (dequantized tiles and
+/// libtorch's f32 GEMM).
+pub fn int_gemm_kernel() -> Option<&'static str> {
+    kernels::int_gemm().map(|k| k.name)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::kernels::gemm as int_gemm;
     use crate::quant::parallel::set_compute_threads;
+
+    /// The integer GEMM's scalar reference as a kernel.
+    static SCALAR_GEMM: IntGemm = IntGemm {
+        name: "scalar",
+        prepare_acts: int_gemm::prepare_acts,
+        prepare_rows: int_gemm::prepare_rows,
+        run: int_gemm::gemm_quant,
+    };
 
     struct Rng(u64);
     impl Rng {
@@ -553,14 +668,14 @@ mod tests {
         MatrixFormat::Quant(QuantBits::Int2),
     ];
 
-    /// f64 reference of `x · dq(w)ᵀ`; on the GEMV path, integer formats' activations are
-    /// rounded to INT8 blocks exactly as the kernels do (so only summation order differs).
-    fn reference(x: &[f32], n: usize, w: &MatrixRef<'_>) -> Vec<f64> {
+    /// f64 reference of `x · dq(w)ᵀ`; with `rounded`, the activations are rounded to INT8
+    /// blocks exactly as the integer kernels do (so only summation order differs).
+    fn reference(x: &[f32], n: usize, w: &MatrixRef<'_>, rounded: bool) -> Vec<f64> {
         let (rows, cols) = (w.rows(), w.cols());
         let mut dq = vec![0f32; rows * cols];
         w.dequantize_rows(0, rows, &mut dq).unwrap();
         let xs: Vec<f64> = match w.format() {
-            MatrixFormat::Quant(_) if n < GEMM_MIN_ROWS => x
+            _ if rounded => x
                 .chunks_exact(cols)
                 .flat_map(|row| {
                     row.chunks(BLOCK)
@@ -598,13 +713,14 @@ mod tests {
                 let w = PackedMatrix::encode(&weights, rows, cols, format).unwrap();
                 for n in [1, 3, GEMM_MIN_ROWS + 1] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
-                    let want = reference(&x, n, &w.view());
+                    let rounded = rounds_activations(format, n);
+                    let want = reference(&x, n, &w.view(), rounded);
                     let bound: Vec<f64> = {
                         let abs_x: Vec<f32> = x.iter().map(|v| v.abs()).collect();
                         let abs_w: Vec<f32> = weights.iter().map(|v| v.abs()).collect();
                         let aw =
                             PackedMatrix::encode(&abs_w, rows, cols, MatrixFormat::F32).unwrap();
-                        reference(&abs_x, n, &aw.view())
+                        reference(&abs_x, n, &aw.view(), false)
                     };
                     let mut runs: Vec<(&str, Vec<f32>)> = Vec::new();
                     let mut got = vec![f32::NAN; n * rows];
@@ -616,6 +732,13 @@ mod tests {
                             gemv(&x, n, w.view(), &mut got, k).unwrap();
                             runs.push((k.name, got));
                         }
+                    }
+                    // The integer GEMM's scalar reference, on every CPU.
+                    let mut by_scalar_gemm = None;
+                    if let (MatrixFormat::Quant(bits), false) = (format, n < GEMM_MIN_ROWS) {
+                        let mut got = vec![f32::NAN; n * rows];
+                        gemm_int(&x, n, w.view(), bits, &SCALAR_GEMM, &mut got);
+                        by_scalar_gemm = Some(got);
                     }
                     for (name, got) in runs {
                         for j in 0..n * rows {
@@ -630,7 +753,82 @@ mod tests {
                             );
                         }
                     }
+                    if let Some(got) = by_scalar_gemm {
+                        let want = reference(&x, n, &w.view(), true);
+                        for j in 0..n * rows {
+                            let tol = 3e-5 * bound[j] + 1e-30;
+                            let err = (got[j] as f64 - want[j]).abs();
+                            assert!(
+                                err <= tol,
+                                "{} integer GEMM (scalar) [{rows}, {cols}] n={n} #{j}: {} vs {}",
+                                format.name(),
+                                got[j],
+                                want[j]
+                            );
+                        }
+                    }
                 }
+            }
+        }
+    }
+
+    /// `x · wᵀ` by the scalar integer GEMM over the whole matrix at once (no tiles, no threads).
+    fn int_gemm_whole(x: &[f32], n: usize, w: &MatrixRef<'_>, bits: QuantBits) -> Vec<f32> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut acts = GemmActs::default();
+        int_gemm::prepare_acts(x, n, cols, bits, &mut acts);
+        let (mut codes, mut bias) = (Vec::new(), Vec::new());
+        let codes = int_gemm::prepare_rows(w.data(), bits, cols, rows, &mut codes, &mut bias);
+        let tile = GemmRows {
+            codes,
+            bias: &bias,
+            scales: w.scales(),
+            rows,
+            blocks: acts.blocks,
+        };
+        let stride = acts.groups * LANES;
+        let mut products = vec![0f32; rows * stride];
+        int_gemm::gemm_quant(&tile, &acts, &mut products);
+        let mut out = vec![0f32; n * rows];
+        for r in 0..rows {
+            for i in 0..n {
+                out[i * rows + r] = products[r * stride + i];
+            }
+        }
+        out
+    }
+
+    /// Every integer GEMM kernel this CPU has gives the scalar reference's results bit for bit,
+    /// over the codes' full two's-complement range, on shapes that leave partial blocks, partial
+    /// groups of activation rows and partial micro-tiles.
+    #[test]
+    fn integer_gemm_kernels_give_the_reference_bit_for_bit() {
+        let Some(int) = kernels::int_gemm() else {
+            eprintln!("no integer GEMM kernel on this CPU: nothing to compare");
+            return;
+        };
+        set_compute_threads(2);
+        let mut rng = Rng(17);
+        for bits in QuantBits::ALL {
+            for (rows, cols, n) in [
+                (13, 64, 37),
+                (7, 100, 8),
+                (TILE_ROWS + 5, 96, 16),
+                (6, 32, 33),
+            ] {
+                let data = rng.bytes(rows * bits.row_bytes(cols));
+                let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
+                let w =
+                    MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales).unwrap();
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 3.0).collect();
+                let want = int_gemm_whole(&x, n, &w, bits);
+                let mut got = vec![f32::NAN; n * rows];
+                gemm_int(&x, n, w, bits, int, &mut got);
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(g, e)| g.to_bits() == e.to_bits());
+                assert!(same, "{} {} [{rows}, {cols}] n={n}", int.name, bits.name());
             }
         }
     }
@@ -669,7 +867,8 @@ mod tests {
     /// The GEMM runs in tiles of [`TILE_ROWS`] weight rows spread over the compute threads, and
     /// gives exactly what one libtorch GEMM per tile gives on one thread: tiles land in their
     /// own columns, and nothing depends on which thread ran which tile (so no output depends on
-    /// `--threads`). Uneven last tile; one, a few and many activation rows.
+    /// `--threads`). Uneven last tile; one, a few and many activation rows. Integer formats
+    /// on a CPU with an integer GEMM give the scalar integer GEMM over the whole matrix.
     #[test]
     fn gemm_tiles_give_one_threads_tile_products_bit_for_bit() {
         // libtorch on one thread here too, as the CLI sets it and every compute thread does:
@@ -681,6 +880,21 @@ mod tests {
         let weights: Vec<f32> = (0..rows * cols).map(|_| rng.uniform()).collect();
         for format in FORMATS {
             let w = PackedMatrix::encode(&weights, rows, cols, format).unwrap();
+            if let (MatrixFormat::Quant(bits), Some(_)) = (format, kernels::int_gemm()) {
+                // The integer GEMM: each output is one kernel's sum over its whole row.
+                for n in [GEMM_MIN_ROWS, 37] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
+                    let want = int_gemm_whole(&x, n, &w.view(), bits);
+                    let mut got = vec![f32::NAN; n * rows];
+                    matmul(&x, n, w.view(), &mut got).unwrap();
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(g, e)| g.to_bits() == e.to_bits());
+                    assert!(same, "{} n={n} (integer GEMM)", format.name());
+                }
+                continue;
+            }
             let mut whole = vec![0f32; rows * cols];
             w.view().dequantize_rows(0, rows, &mut whole).unwrap();
             let whole = Tensor::from_slice(&whole).view([rows as i64, cols as i64]);

@@ -1,19 +1,24 @@
 //! Kernels, one file per instruction set: the [`scalar`] reference, AVX2 (+FMA, F16C) on x86_64
-//! (plus AVX-VNNI where the CPU has it) and NEON on aarch64 (ARMv8.0, plus `dotprod` where the
+//! (plus AVX-VNNI where the CPU has it, and AVX-512 VNNI for the integer GEMM) and NEON on aarch64 (ARMv8.0, plus `dotprod` where the
 //! CPU has it).
 //!
-//! Two families:
+//! Three families:
 //! - dequantization (packed rows → f32, `q × scale`, one multiplication, no fused multiply-add,
 //!   so all kernels agree bit for bit);
 //! - dot products of one stored row with one activation row, used by
 //!   [`crate::quant::matrix`]: f16/bf16 rows with f32 activations, and integer rows with INT8
-//!   activation blocks of [`BLOCK`] values.
+//!   activation blocks of [`BLOCK`] values;
+//! - an integer GEMM for many activation rows against integer weights ([`gemm`]: layouts and
+//!   the scalar reference; AVX-512 VNNI in [`avx512`]), where the CPU has one.
 //!
-//! Activation blocks are stored in the order the SIMD kernels unpack weights, so no kernel
+//! Activation blocks of the dot products are stored in the order the SIMD kernels unpack weights, so no kernel
 //! shuffles in its inner loop: see [`block_order`].
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+pub(crate) mod gemm;
 #[cfg(target_arch = "aarch64")]
 pub(crate) mod neon;
 pub(crate) mod scalar;
@@ -106,4 +111,18 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
 pub(crate) fn best() -> &'static Kernels {
     static BEST: OnceLock<&'static Kernels> = OnceLock::new();
     BEST.get_or_init(|| *available().last().expect("the scalar set is always there"))
+}
+
+/// The integer GEMM kernel this CPU runs, if any (detected once). Without one, many-row products
+/// on integer weights take dequantized tiles and libtorch's f32 GEMM; `EDGEMOE_INT_GEMM=off`
+/// asks for that path on any CPU (to compare the two on one machine).
+pub(crate) fn int_gemm() -> Option<&'static gemm::IntGemm> {
+    static INT_GEMM: OnceLock<Option<&'static gemm::IntGemm>> = OnceLock::new();
+    *INT_GEMM.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if avx512::supported() && std::env::var_os("EDGEMOE_INT_GEMM").is_none_or(|v| v != "off") {
+            return Some(&avx512::INT_GEMM);
+        }
+        None
+    })
 }

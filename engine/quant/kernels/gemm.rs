@@ -1,0 +1,185 @@
+//! The integer GEMM's operands and its scalar reference.
+//!
+//! Many activation rows (an encoder pass, a prompt prefill) against channel-wise integer
+//! weights: `out[t, r] = w_scale[r] × Σ_b x_scale[t, b] × Σ_{i∈b} w[r, i] · x_q[t, i]`, the
+//! GEMV's formula (activations rounded to INT8 blocks of [`BLOCK`] values exactly as there, so
+//! both paths take the same integer block sums).
+//!
+//! The layout is made for `vpdpbusd` (unsigned bytes × signed bytes, summed in fours into i32
+//! lanes) with one lane per *activation row*:
+//! - activations ([`GemmActs`]) are unsigned `x_q + 128`, transposed once per product into groups
+//!   of [`LANES`] rows: `[group][cols / 4][lane][4]`, so one 64-byte load holds four consecutive
+//!   values of 16 rows;
+//! - weights ([`GemmRows`]) stay rows of signed codes, four of which a kernel broadcasts to every
+//!   lane: INT8 rows are used where they are stored, INT4/INT2 rows are unpacked to bytes first,
+//!   each block's values in [`block_order`] (the order a few shifts give; the activations are
+//!   placed in the same order, as for the GEMV);
+//! - the `+ 128` is taken back exactly, per weight row and block: a block's integer sum starts
+//!   at `−128 × Σ_{i∈b} w[r, i]` ([`GemmRows::bias`]).
+//!
+//! Transposing the activations (n × cols bytes) rather than the weights (rows × cols) keeps the
+//! preparation off the weights, which are read once per product and are the larger operand
+//! whenever n < cols.
+
+use super::{block_order, scalar, BLOCK};
+use crate::quant::QuantBits;
+
+/// Activation rows per group (one 512-bit register of i32 lanes).
+pub(crate) const LANES: usize = 16;
+/// What the activations' unsigned codes add to the signed ones.
+const ACT_ZERO: i32 = 128;
+
+/// Activation rows rounded to INT8 blocks and laid out for the kernels (see the module). Kept
+/// between products (its buffers are reused).
+#[derive(Default)]
+pub(crate) struct GemmActs {
+    /// `[groups][blocks × BLOCK / 4][LANES][4]` unsigned codes; padding (values past a row's
+    /// end, rows past the last) is `128`, a zero.
+    pub codes: Vec<u8>,
+    /// `[groups][blocks][LANES]` block scales; 0 in padding rows.
+    pub scales: Vec<f32>,
+    /// Groups of [`LANES`] rows (the last one padded).
+    pub groups: usize,
+    pub blocks: usize,
+}
+
+impl GemmActs {
+    /// Sizes the buffers for `n` rows of `cols` values, every code a zero and every scale 0.
+    pub fn reset(&mut self, n: usize, cols: usize) {
+        self.blocks = cols.div_ceil(BLOCK);
+        self.groups = n.div_ceil(LANES);
+        self.codes.clear();
+        self.codes
+            .resize(self.groups * self.blocks * BLOCK * LANES, ACT_ZERO as u8);
+        self.scales.clear();
+        self.scales.resize(self.groups * self.blocks * LANES, 0.0);
+    }
+}
+
+/// Rounds `x` (`[n, cols]`) into `acts` (after [`GemmActs::reset`]) as the GEMV does, each
+/// block in [`block_order`] for weights of `bits`, and transposes it into groups.
+pub(crate) type PrepareActs = fn(&[f32], usize, usize, QuantBits, &mut GemmActs);
+
+/// The reference [`PrepareActs`].
+#[cfg(test)]
+pub(crate) fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut GemmActs) {
+    acts.reset(n, cols);
+    let blocks = acts.blocks;
+    let width = blocks * BLOCK;
+    let (mut row_codes, mut row_scales) = (vec![0i8; width], vec![0f32; blocks]);
+    for (t, row) in x.chunks_exact(cols).enumerate().take(n) {
+        row_codes.fill(0);
+        scalar::quantize_activations(row, bits, &mut row_codes, &mut row_scales);
+        let (group, lane) = (t / LANES, t % LANES);
+        let base = group * width * LANES;
+        for (step, four) in row_codes.chunks_exact(4).enumerate() {
+            let at = base + (step * LANES + lane) * 4;
+            for (dst, &q) in acts.codes[at..at + 4].iter_mut().zip(four) {
+                *dst = (i32::from(q) + ACT_ZERO) as u8;
+            }
+        }
+        for (b, &s) in row_scales.iter().enumerate() {
+            acts.scales[(group * blocks + b) * LANES + lane] = s;
+        }
+    }
+}
+
+/// Weight rows as the kernels read them.
+pub(crate) struct GemmRows<'a> {
+    /// `rows × blocks × BLOCK` signed codes (two's complement bytes), zero past `cols`.
+    pub codes: &'a [u8],
+    /// `[rows][blocks]`: `−128 × Σ_{i∈b} w[r, i]`, where each block's integer sum starts.
+    pub bias: &'a [i32],
+    /// One per row.
+    pub scales: &'a [f32],
+    pub rows: usize,
+    pub blocks: usize,
+}
+
+/// `out[r × stride + t] = w_scale[r] × Σ_b x_scale[t, b] × (bias[r, b] + Σ_{i∈b} w[r, i] ·
+/// (x_q[t, i] + 128))` for every weight row `r` and activation row `t < groups × LANES`
+/// (`stride` = that), with the float sum taken block after block by fused multiply-adds.
+pub(crate) type GemmQuant = fn(&GemmRows<'_>, &GemmActs, &mut [f32]);
+
+/// An integer GEMM kernel, the preparation of its operands, and its name.
+pub(crate) struct IntGemm {
+    pub name: &'static str,
+    pub prepare_acts: PrepareActs,
+    pub prepare_rows: PrepareRows,
+    pub run: GemmQuant,
+}
+
+/// The reference [`GemmQuant`]: every SIMD kernel gives its results bit for bit (integer sums
+/// are exact; the float operations and their order are the same).
+#[cfg(test)]
+pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
+    let (blocks, stride) = (w.blocks, x.groups * LANES);
+    let width = blocks * BLOCK;
+    assert_eq!(x.blocks, blocks);
+    assert!(out.len() >= w.rows * stride);
+    for r in 0..w.rows {
+        let row = &w.codes[r * width..(r + 1) * width];
+        for t in 0..stride {
+            let (group, lane) = (t / LANES, t % LANES);
+            let acts = &x.codes[group * width * LANES..(group + 1) * width * LANES];
+            let mut sum = 0f32;
+            for b in 0..blocks {
+                let mut int = w.bias[r * blocks + b];
+                for i in b * BLOCK..(b + 1) * BLOCK {
+                    let a = acts[(i / 4 * LANES + lane) * 4 + i % 4];
+                    int += i32::from(row[i] as i8) * i32::from(a);
+                }
+                let scale = x.scales[(group * blocks + b) * LANES + lane];
+                sum = (int as f32).mul_add(scale, sum);
+            }
+            out[r * stride + t] = sum * w.scales[r];
+        }
+    }
+}
+
+/// Unpacks `rows` packed integer rows of `cols` values into signed bytes, `blocks × BLOCK` per
+/// row (zero-padded; each block in [`block_order`]), and computes their [`GemmRows::bias`].
+/// Returns the codes: INT8 rows of whole blocks are used where they lie.
+pub(crate) type PrepareRows =
+    for<'a> fn(&'a [u8], QuantBits, usize, usize, &'a mut Vec<u8>, &mut Vec<i32>) -> &'a [u8];
+
+/// The reference [`PrepareRows`].
+pub(crate) fn prepare_rows<'a>(
+    packed: &'a [u8],
+    bits: QuantBits,
+    cols: usize,
+    rows: usize,
+    codes: &'a mut Vec<u8>,
+    bias: &mut Vec<i32>,
+) -> &'a [u8] {
+    let blocks = cols.div_ceil(BLOCK);
+    let width = blocks * BLOCK;
+    if bits == QuantBits::Int8 && cols == width {
+        block_bias(packed, rows, blocks, bias);
+        return &packed[..rows * width];
+    }
+    codes.clear();
+    codes.resize(rows * width, 0);
+    for (src, dst) in packed
+        .chunks_exact(bits.row_bytes(cols))
+        .zip(codes.chunks_exact_mut(width))
+        .take(rows)
+    {
+        for e in 0..cols {
+            let at = e / BLOCK * BLOCK + block_order(bits, e % BLOCK);
+            dst[at] = scalar::element(src, bits, e) as u8;
+        }
+    }
+    block_bias(codes, rows, blocks, bias);
+    codes
+}
+
+/// [`GemmRows::bias`] of `rows` rows of signed codes, `blocks × BLOCK` each.
+pub(crate) fn block_bias(codes: &[u8], rows: usize, blocks: usize, bias: &mut Vec<i32>) {
+    bias.clear();
+    bias.extend(
+        codes[..rows * blocks * BLOCK]
+            .chunks_exact(BLOCK)
+            .map(|block| -ACT_ZERO * block.iter().map(|&c| i32::from(c as i8)).sum::<i32>()),
+    );
+}
