@@ -360,12 +360,6 @@ pub fn matmul(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<
     gemv(x, n, w, out, kernels::best())
 }
 
-/// Whether [`matmul`] rounds `n` activation rows to INT8 blocks for weights of `format` (the
-/// integer GEMV and GEMM do; tests build their references accordingly).
-pub fn rounds_activations(format: MatrixFormat, n: usize) -> bool {
-    matches!(format, MatrixFormat::Quant(_)) && (n < GEMM_MIN_ROWS || kernels::int_gemm().is_some())
-}
-
 /// The integer GEMM path: activations rounded and laid out once, then tiles of [`TILE_ROWS`]
 /// weight rows spread over the compute threads, each tile's rows unpacked to bytes (INT8 rows
 /// with whole blocks are used where they lie) and multiplied into a per-thread `[rows, n]`
@@ -667,6 +661,13 @@ mod tests {
         MatrixFormat::Quant(QuantBits::Int4),
         MatrixFormat::Quant(QuantBits::Int2),
     ];
+
+    /// Whether [`matmul`] rounds `n` activation rows to INT8 blocks for weights of `format` (the
+    /// integer GEMV and GEMM do).
+    fn rounds_activations(format: MatrixFormat, n: usize) -> bool {
+        matches!(format, MatrixFormat::Quant(_))
+            && (n < GEMM_MIN_ROWS || kernels::int_gemm().is_some())
+    }
 
     /// f64 reference of `x · dq(w)ᵀ`; with `rounded`, the activations are rounded to INT8
     /// blocks exactly as the integer kernels do (so only summation order differs).
