@@ -1,6 +1,6 @@
 //! AVX-512 VNNI: the integer GEMM of [`super::gemm`] on 512-bit `vpdpbusd` (64 byte products
 //! per instruction, four times an f32 FMA's multiply-adds), for CPUs that report `avx512f`,
-//! `avx512bw` and `avx512vnni` (Ice Lake and Sapphire Rapids Xeons, Zen 4 and later).
+//! `avx512bw`, `avx512vl` and `avx512vnni` (Ice Lake and Sapphire Rapids Xeons, Zen 4 and later).
 //!
 //! The micro-kernel keeps a tile of up to [`MAX_ROWS`] weight rows × 2 groups of 16 activation
 //! rows in registers: per step of four values it loads one 64-byte activation vector per group
@@ -33,7 +33,7 @@ pub(crate) static INT_GEMM: IntGemm = IntGemm {
     run: |w, x, out| unsafe { gemm_quant(w, x, out) },
 };
 
-/// [`gemm::prepare_acts`] 32 values at a time: the block's absolute maximum in registers, the
+/// The reference activation preparation of [`super::gemm`], 32 values at a time: the block's absolute maximum in registers, the
 /// same divisions for its scale, rounding half away from zero by truncating and comparing the
 /// remainder (as [`super::scalar`] does), a saturating narrowing to bytes, and one scatter of
 /// the block's eight 4-byte steps into its row's lane.
