@@ -714,8 +714,6 @@ mod tests {
                 let w = PackedMatrix::encode(&weights, rows, cols, format).unwrap();
                 for n in [1, 3, GEMM_MIN_ROWS + 1] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
-                    let rounded = rounds_activations(format, n);
-                    let want = reference(&x, n, &w.view(), rounded);
                     let bound: Vec<f64> = {
                         let abs_x: Vec<f32> = x.iter().map(|v| v.abs()).collect();
                         let abs_w: Vec<f32> = weights.iter().map(|v| v.abs()).collect();
@@ -723,45 +721,31 @@ mod tests {
                             PackedMatrix::encode(&abs_w, rows, cols, MatrixFormat::F32).unwrap();
                         reference(&abs_x, n, &aw.view(), false)
                     };
-                    let mut runs: Vec<(&str, Vec<f32>)> = Vec::new();
+                    // (name, result, whether its activations were rounded)
+                    let mut runs: Vec<(&str, Vec<f32>, bool)> = Vec::new();
                     let mut got = vec![f32::NAN; n * rows];
                     matmul(&x, n, w.view(), &mut got).unwrap();
-                    runs.push(("dispatched", got));
+                    runs.push(("dispatched", got, rounds_activations(format, n)));
                     if n < GEMM_MIN_ROWS {
                         for k in kernels::available() {
                             let mut got = vec![f32::NAN; n * rows];
                             gemv(&x, n, w.view(), &mut got, k).unwrap();
-                            runs.push((k.name, got));
+                            runs.push((k.name, got, rounds_activations(format, n)));
                         }
-                    }
-                    // The integer GEMM's scalar reference, on every CPU.
-                    let mut by_scalar_gemm = None;
-                    if let (MatrixFormat::Quant(bits), false) = (format, n < GEMM_MIN_ROWS) {
+                    } else if let MatrixFormat::Quant(bits) = format {
+                        // The integer GEMM's scalar reference, on every CPU.
                         let mut got = vec![f32::NAN; n * rows];
                         gemm_int(&x, n, w.view(), bits, &SCALAR_GEMM, &mut got);
-                        by_scalar_gemm = Some(got);
+                        runs.push(("integer GEMM (scalar)", got, true));
                     }
-                    for (name, got) in runs {
+                    for (name, got, rounded) in runs {
+                        let want = reference(&x, n, &w.view(), rounded);
                         for j in 0..n * rows {
                             let tol = 3e-5 * bound[j] + 1e-30;
                             let err = (got[j] as f64 - want[j]).abs();
                             assert!(
                                 err <= tol,
                                 "{} {name} [{rows}, {cols}] n={n} #{j}: {} vs {} (err {err:e} > {tol:e})",
-                                format.name(),
-                                got[j],
-                                want[j]
-                            );
-                        }
-                    }
-                    if let Some(got) = by_scalar_gemm {
-                        let want = reference(&x, n, &w.view(), true);
-                        for j in 0..n * rows {
-                            let tol = 3e-5 * bound[j] + 1e-30;
-                            let err = (got[j] as f64 - want[j]).abs();
-                            assert!(
-                                err <= tol,
-                                "{} integer GEMM (scalar) [{rows}, {cols}] n={n} #{j}: {} vs {}",
                                 format.name(),
                                 got[j],
                                 want[j]
