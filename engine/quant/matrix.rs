@@ -610,8 +610,8 @@ thread_local! {
     static ACTS: std::cell::RefCell<GemmActs> = std::cell::RefCell::default();
 }
 
-/// The kernel set this CPU uses: `"avx2"`, `"avx2+vnni"`, `"neon-dotprod"`, `"neon"` or
-/// `"scalar"`.
+/// The kernel set this CPU uses: `"avx2"`, `"avx2+vnni"`, `"avx512+vnni"`, `"neon-dotprod"`,
+/// `"neon"` or `"scalar"`.
 pub fn matmul_kernel() -> &'static str {
     kernels::best().name
 }

@@ -142,7 +142,7 @@ fn hsum(v: __m256) -> f32 {
 
 /// How far ahead of the block being computed a row's bytes are prefetched (rows are contiguous,
 /// so this reaches into the next rows; measured: +70% on an LM head streamed from memory).
-const PREFETCH_AHEAD: usize = 2048;
+pub(crate) const PREFETCH_AHEAD: usize = 2048;
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
 /// codes made unsigned (`code + z`, one XOR) for `maddubs` directly, `z × Σx` subtracted once

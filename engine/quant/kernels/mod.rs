@@ -1,6 +1,6 @@
 //! Kernels, one file per instruction set: the [`scalar`] reference, AVX2 (+FMA, F16C) on x86_64
-//! (plus AVX-VNNI where the CPU has it, and AVX-512 VNNI for the integer GEMM) and NEON on aarch64 (ARMv8.0, plus `dotprod` where the
-//! CPU has it).
+//! (plus AVX-VNNI where the CPU has it, and AVX-512 VNNI for the integer GEMM and INT2 rows) and
+//! NEON on aarch64 (ARMv8.0, plus `dotprod` where the CPU has it).
 //!
 //! Three families:
 //! - dequantization (packed rows → f32, `q × scale`, one multiplication, no fused multiply-add,
@@ -95,6 +95,9 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
         sets.push(&avx2::KERNELS);
         if avx2::vnni_supported() {
             sets.push(&avx2::KERNELS_VNNI);
+        }
+        if avx512::gemv_supported() {
+            sets.push(&avx512::KERNELS);
         }
     }
     #[cfg(target_arch = "aarch64")]
