@@ -849,6 +849,17 @@ mod tests {
         }
     }
 
+    /// `matmul(x, n, w)` equals `want` bit for bit.
+    fn assert_matmul_gives(x: &[f32], n: usize, w: &PackedMatrix, want: &[f32], path: &str) {
+        let mut got = vec![f32::NAN; want.len()];
+        matmul(x, n, w.view(), &mut got).unwrap();
+        let same = got
+            .iter()
+            .zip(want)
+            .all(|(g, e)| g.to_bits() == e.to_bits());
+        assert!(same, "{} n={n} ({path})", w.view().format().name());
+    }
+
     /// The GEMM runs in tiles of [`TILE_ROWS`] weight rows spread over the compute threads, and
     /// gives exactly what one libtorch GEMM per tile gives on one thread: tiles land in their
     /// own columns, and nothing depends on which thread ran which tile (so no output depends on
@@ -870,13 +881,7 @@ mod tests {
                 for n in [GEMM_MIN_ROWS, 37] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
                     let want = int_gemm_whole(&x, n, &w.view(), bits);
-                    let mut got = vec![f32::NAN; n * rows];
-                    matmul(&x, n, w.view(), &mut got).unwrap();
-                    let same = got
-                        .iter()
-                        .zip(&want)
-                        .all(|(g, e)| g.to_bits() == e.to_bits());
-                    assert!(same, "{} n={n} (integer GEMM)", format.name());
+                    assert_matmul_gives(&x, n, &w, &want, "integer GEMM");
                 }
                 continue;
             }
@@ -894,13 +899,7 @@ mod tests {
                     })
                     .collect();
                 let want = Vec::<f32>::try_from(Tensor::cat(&tiles, 1).flatten(0, -1)).unwrap();
-                let mut got = vec![f32::NAN; n * rows];
-                matmul(&x, n, w.view(), &mut got).unwrap();
-                let same = got
-                    .iter()
-                    .zip(&want)
-                    .all(|(g, e)| g.to_bits() == e.to_bits());
-                assert!(same, "{} n={n}", format.name());
+                assert_matmul_gives(&x, n, &w, &want, "libtorch tiles");
             }
         }
     }
