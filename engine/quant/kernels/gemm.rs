@@ -19,7 +19,7 @@
 //!
 //! Transposing the activations (n × cols bytes) rather than the weights (rows × cols) keeps the
 //! preparation off the weights, which are read once per product and are the larger operand
-//! whenever n < cols.
+//! whenever n < rows.
 //!
 //! Only x86_64 has a kernel so far (AVX-512 VNNI); elsewhere the layouts serve the scalar
 //! reference in the tests, and many-row products take dequantized tiles.
