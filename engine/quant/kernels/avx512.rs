@@ -287,10 +287,7 @@ fn unpack_blocks(packed: &[u8], bits: QuantBits, out: &mut [u8]) {
     if blocks % 2 == 1 {
         let b = blocks - 1;
         let src = &packed[b * block_bytes..(b + 1) * block_bytes];
-        for e in 0..BLOCK {
-            let code = super::scalar::element(src, bits, e);
-            out[b * BLOCK + super::block_order(bits, e)] = code as u8;
-        }
+        gemm::unpack_values(src, bits, BLOCK, &mut out[b * BLOCK..(b + 1) * BLOCK]);
     }
 }
 
@@ -313,8 +310,7 @@ fn block_bias(codes: &[u8], bias: &mut [i32]) {
     }
     if bias.len() % 2 == 1 {
         let b = bias.len() - 1;
-        let block = &codes[b * BLOCK..(b + 1) * BLOCK];
-        bias[b] = -128 * block.iter().map(|&c| i32::from(c as i8)).sum::<i32>();
+        bias[b] = gemm::bias_of(&codes[b * BLOCK..(b + 1) * BLOCK]);
     }
 }
 

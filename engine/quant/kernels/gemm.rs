@@ -169,13 +169,23 @@ pub(crate) fn prepare_rows<'a>(
         .zip(codes.chunks_exact_mut(width))
         .take(rows)
     {
-        for e in 0..cols {
-            let at = e / BLOCK * BLOCK + block_order(bits, e % BLOCK);
-            dst[at] = scalar::element(src, bits, e) as u8;
-        }
+        unpack_values(src, bits, cols, dst);
     }
     block_bias(codes, rows, blocks, bias);
     codes
+}
+
+/// The first `len` values of a packed row as signed bytes, each block in [`block_order`] (the
+/// reference's unpacking, and the SIMD unpacking's last odd block).
+pub(crate) fn unpack_values(src: &[u8], bits: QuantBits, len: usize, dst: &mut [u8]) {
+    for e in 0..len {
+        dst[e / BLOCK * BLOCK + block_order(bits, e % BLOCK)] = scalar::element(src, bits, e) as u8;
+    }
+}
+
+/// One block's [`GemmRows::bias`]: `−128 × Σ` of its signed codes.
+pub(crate) fn bias_of(block: &[u8]) -> i32 {
+    -ACT_ZERO * block.iter().map(|&c| i32::from(c as i8)).sum::<i32>()
 }
 
 /// [`GemmRows::bias`] of `rows` rows of signed codes, `blocks × BLOCK` each.
@@ -184,6 +194,6 @@ pub(crate) fn block_bias(codes: &[u8], rows: usize, blocks: usize, bias: &mut Ve
     bias.extend(
         codes[..rows * blocks * BLOCK]
             .chunks_exact(BLOCK)
-            .map(|block| -ACT_ZERO * block.iter().map(|&c| i32::from(c as i8)).sum::<i32>()),
+            .map(bias_of),
     );
 }
