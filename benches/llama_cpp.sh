@@ -20,13 +20,14 @@
 # Usage: benches/llama_cpp.sh [OUT_DIR]   (after ./setup.sh; needs cmake and a C++ compiler,
 #        and PyPI the first time)   env: THREADS="1 2" (default 1 and all cores), REPS=3 (llama-bench -r),
 #        ENGINE_REPS=1, PAIRS="Q4_0 4 int8;Q4_0 4 int4" (only these GGUF | --bits | --resident),
-#        LLAMA_CPP_PYTHON_VERSION=0.3.36 (the sdist whose vendor/llama.cpp is built)
+#        LLAMA_CPP_PYTHON_VERSION=0.3.36 (the sdist whose vendor/llama.cpp is built),
+#        EDGEMOE_BIN=target/release/edgemoe (another build, to compare two side by side)
 set -euo pipefail
 started=$SECONDS
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${1:-target/llama-bench}"
-bin="$root/target/release/edgemoe"
+bin="${EDGEMOE_BIN:-$root/target/release/edgemoe}"
 py="$root/.venv/bin/python"
 cores="$(nproc)"
 threads="${THREADS:-$( [ "$cores" -gt 1 ] && echo "1 $cores" || echo 1 )}"

@@ -51,7 +51,7 @@ pub fn read_input(input: &str) -> Result<(String, String)> {
 }
 
 /// Compute threads unless a flag or profile says otherwise: one core is left to the prefetch
-/// thread and the OS (the rayon pool of `quant::parallel`; libtorch itself runs on one thread).
+/// thread and the OS (the helper threads of `quant::parallel`; libtorch itself runs on one thread).
 pub fn default_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     cores.saturating_sub(1).max(1)

@@ -5,44 +5,42 @@
 //! threads for the same cores (measured on 2 cores: a 2-thread decode step was no faster than a
 //! 1-thread one; handing the kernels to libtorch's own OpenMP team instead was far slower on a
 //! loaded machine, as every region waits for every team thread at its closing barrier). So the
-//! engine owns the threads: the calling thread and a rayon pool of [`set_compute_threads`] − 1
-//! helpers run the GEMV rows and the GEMM tiles of [`super::matrix`], and libtorch's remaining
-//! ops (norms, attention scores, softmax) run on the calling thread. Without a call, work runs on
-//! the calling thread.
+//! engine owns the threads: the calling thread and [`set_compute_threads`] − 1 helpers run the
+//! GEMV rows and the GEMM tiles of [`super::matrix`], and libtorch's remaining ops (norms,
+//! attention scores, softmax) run on the calling thread. Without a call, work runs on the
+//! calling thread.
+//!
+//! The helpers are this module's own threads rather than a general-purpose pool, for two
+//! reasons measured on a decode step, which makes ~30 products of 50–500 µs per layer:
+//! - a helper that finished a product spins for [`SPIN`] before it sleeps, so the next product
+//!   of the step finds it awake (waking a sleeping thread costs a futex call on each side and
+//!   the scheduler's latency, tens of µs on a VM);
+//! - the caller waits only for helpers that are inside the product (running a task), never for
+//!   one that has not woken yet: a late helper finds the tasks taken and the product gone.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
-static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+/// How long an idle helper polls for the next product before it sleeps: longer than the
+/// libtorch ops between two products of a decode step, short enough that a waiting engine (a
+/// stall on an expert read, a server between requests) does not hold a core.
+pub const SPIN: Duration = Duration::from_micros(500);
+
+static POOL: OnceLock<Option<Pool>> = OnceLock::new();
 
 /// Sets the number of compute threads (once per process; later calls are ignored).
 pub fn set_compute_threads(threads: usize) {
-    POOL.get_or_init(|| build_pool(threads));
-}
-
-/// `threads − 1` helpers: the calling thread is the last compute thread (see [`for_each_task`]).
-fn build_pool(threads: usize) -> Option<rayon::ThreadPool> {
-    (threads > 1)
-        .then(|| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads - 1)
-                .thread_name(|i| format!("edgemoe-compute-{i}"))
-                // libtorch's thread count (OpenMP's, which its BLAS follows: the aarch64
-                // package's OpenBLAS, x86_64's MKL) is per thread: set on the main thread only,
-                // a GEMM tile run here would start a BLAS team of one thread per core, on top of
-                // this pool's threads.
-                .start_handler(|_| tch::set_num_threads(1))
-                .build()
-                .ok()
-        })
-        .flatten()
+    POOL.get_or_init(|| Pool::start(threads));
 }
 
 /// The number of compute threads (1 when no pool was set up).
 pub fn compute_threads() -> usize {
     POOL.get_or_init(|| None)
         .as_ref()
-        .map_or(1, |p| p.current_num_threads() + 1)
+        .map_or(1, |p| p.helpers + 1)
 }
 
 /// Runs `task(0) .. task(tasks - 1)`, spread over the compute threads (each task on one thread;
@@ -50,56 +48,263 @@ pub fn compute_threads() -> usize {
 ///
 /// The calling thread takes tasks too, from one shared counter with the helpers: it starts at
 /// once, and a helper that wakes late finds fewer (or no) tasks left instead of holding the
-/// product up. (A decode step makes ~30 short products per layer; with the caller idle while
-/// the pool woke for each, an OLMoE-shaped 4-bit step at 2 threads took 11.4 ms, now 10–11.)
+/// product up. One product runs on the pool at a time: a call made while another thread's
+/// product holds it (or from inside a task) runs its tasks on its own thread.
 pub fn for_each_task(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     match POOL.get_or_init(|| None) {
-        Some(pool) if tasks > 1 => {
-            let next = AtomicUsize::new(0);
-            let drain = || loop {
-                let t = next.fetch_add(1, Ordering::Relaxed);
-                if t >= tasks {
-                    break;
-                }
-                task(t);
-            };
-            let helpers = pool.current_num_threads().min(tasks - 1);
-            pool.in_place_scope(|scope| {
-                for _ in 0..helpers {
-                    scope.spawn(|_| drain());
-                }
-                drain();
-            });
-        }
+        Some(pool) if tasks > 1 => pool.run(tasks, task),
         _ => (0..tasks).for_each(task),
     }
 }
 
+/// One product: its tasks, the counter every thread takes them from, and the first panic.
+struct Job<'a> {
+    task: &'a (dyn Fn(usize) + Sync),
+    tasks: usize,
+    next: AtomicUsize,
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl Job<'_> {
+    /// Takes and runs tasks until none is left; a panic is kept for the caller and ends the
+    /// product (the remaining tasks are skipped).
+    fn drain(&self) {
+        let run = || loop {
+            let t = self.next.fetch_add(1, SeqCst);
+            if t >= self.tasks {
+                break;
+            }
+            (self.task)(t);
+        };
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(run)) {
+            self.next.store(self.tasks, SeqCst);
+            self.panic
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(panic);
+        }
+    }
+}
+
+/// What the caller and the helpers share.
+///
+/// A helper announces itself in `inside` *before* it loads `current`, and the caller clears
+/// `current` before it waits for `inside` to reach 0: so a helper either saw the job while the
+/// caller still waits for it, or sees no job at all. That is what lets `current` point at a
+/// job on the caller's stack.
+struct Shared {
+    current: AtomicPtr<Job<'static>>,
+    /// Bumped for every product; helpers wait for it to move.
+    generation: AtomicU64,
+    inside: AtomicUsize,
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+struct Pool {
+    shared: Arc<Shared>,
+    helpers: usize,
+}
+
+impl Pool {
+    /// `threads − 1` helpers: the calling thread is the last compute thread. `None` for one
+    /// thread, or when the OS refuses a thread (work then runs on the caller).
+    fn start(threads: usize) -> Option<Pool> {
+        if threads <= 1 {
+            return None;
+        }
+        let shared = Arc::new(Shared {
+            current: AtomicPtr::new(std::ptr::null_mut()),
+            generation: AtomicU64::new(0),
+            inside: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let mut helpers = 0;
+        for i in 0..threads - 1 {
+            let shared = Arc::clone(&shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("edgemoe-compute-{i}"))
+                .spawn(move || helper(&shared));
+            if spawned.is_err() {
+                break;
+            }
+            helpers += 1;
+        }
+        (helpers > 0).then_some(Pool { shared, helpers })
+    }
+
+    fn run(&self, tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+        let job = Job {
+            task,
+            tasks,
+            next: AtomicUsize::new(0),
+            panic: Mutex::new(None),
+        };
+        let shared = &*self.shared;
+        // SAFETY (of erasing the lifetime): `current` is cleared, and every helper that could
+        // have loaded it has left (`inside` == 0), before this function returns or unwinds.
+        let ptr = &job as *const Job<'_> as *mut Job<'static>;
+        if shared
+            .current
+            .compare_exchange(std::ptr::null_mut(), ptr, SeqCst, SeqCst)
+            .is_err()
+        {
+            (0..tasks).for_each(task);
+            return;
+        }
+        shared.generation.fetch_add(1, SeqCst);
+        if shared.sleepers.load(SeqCst) > 0 {
+            let _guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            shared.wake.notify_all();
+        }
+        job.drain();
+        shared.current.store(std::ptr::null_mut(), SeqCst);
+        let mut polls = 0u32;
+        while shared.inside.load(SeqCst) != 0 {
+            polls += 1;
+            if polls < 1 << 12 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        if let Some(panic) = job.panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            resume_unwind(panic);
+        }
+    }
+}
+
+/// A helper's life: wait for a product (spinning, then sleeping), take tasks, repeat.
+fn helper(shared: &Shared) {
+    // libtorch's thread count (OpenMP's, which its BLAS follows: the aarch64 package's
+    // OpenBLAS, x86_64's MKL) is per thread: set on the main thread only, a GEMM tile run here
+    // would start a BLAS team of one thread per core, on top of these threads.
+    tch::set_num_threads(1);
+    let mut seen = shared.generation.load(SeqCst);
+    loop {
+        seen = wait_for_product(shared, seen);
+        shared.inside.fetch_add(1, SeqCst);
+        let job = shared.current.load(SeqCst);
+        if !job.is_null() {
+            // SAFETY: see `Shared`: the caller keeps the job alive while `inside` > 0.
+            unsafe { &*job }.drain();
+        }
+        shared.inside.fetch_sub(1, SeqCst);
+    }
+}
+
+/// Returns the first generation after `seen`: polled for [`SPIN`], then slept for.
+fn wait_for_product(shared: &Shared, seen: u64) -> u64 {
+    let start = Instant::now();
+    let mut polls = 0u32;
+    loop {
+        let now = shared.generation.load(SeqCst);
+        if now != seen {
+            return now;
+        }
+        polls = polls.wrapping_add(1);
+        if polls.is_multiple_of(64) && start.elapsed() >= SPIN {
+            break;
+        }
+        std::hint::spin_loop();
+    }
+    let mut guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+    shared.sleepers.fetch_add(1, SeqCst);
+    let now = loop {
+        let now = shared.generation.load(SeqCst);
+        if now != seen {
+            break now;
+        }
+        guard = shared.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
+    };
+    shared.sleepers.fetch_sub(1, SeqCst);
+    now
+}
+
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
     use std::panic::catch_unwind;
+    use std::sync::atomic::Ordering::Relaxed;
 
     use super::*;
 
+    /// Every task runs once and has finished when the call returns, the helpers' included
+    /// (each task sleeps before it counts, so a caller that returned early would see zeros).
     #[test]
-    fn every_task_runs_once() {
+    fn every_task_runs_once_and_is_done_on_return() {
         set_compute_threads(2);
-        let counts: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
-        for_each_task(counts.len(), &|t| {
-            counts[t].fetch_add(1, Ordering::Relaxed);
-        });
-        assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        for _ in 0..50 {
+            let counts: Vec<AtomicUsize> = (0..40).map(|_| AtomicUsize::new(0)).collect();
+            for_each_task(counts.len(), &|t| {
+                std::thread::sleep(Duration::from_micros(50));
+                counts[t].fetch_add(1, Relaxed);
+            });
+            assert!(counts.iter().all(|c| c.load(Relaxed) == 1));
+        }
     }
 
     #[test]
-    fn a_panicking_task_panics_the_caller() {
-        let result = catch_unwind(|| {
-            for_each_task(64, &|t| {
-                if t == 17 {
-                    panic!("task 17");
-                }
-            })
+    fn a_helper_takes_tasks() {
+        set_compute_threads(2);
+        // Tests run side by side, and a product started while another holds the pool runs on
+        // its caller's thread: a few tries.
+        let spread = (0..50).any(|_| {
+            let threads = Mutex::new(HashSet::new());
+            // Long enough for a sleeping helper to wake.
+            for_each_task(20, &|_| {
+                std::thread::sleep(Duration::from_millis(1));
+                threads.lock().unwrap().insert(std::thread::current().id());
+            });
+            threads.into_inner().unwrap().len() > 1
         });
-        assert!(result.is_err());
+        assert!(spread);
+    }
+
+    /// Products from several threads at once, and from inside a task, each get all their tasks
+    /// run (one holds the pool, the others run on their own thread).
+    #[test]
+    fn concurrent_and_nested_products_run_every_task() {
+        set_compute_threads(2);
+        std::thread::scope(|scope| {
+            for _ in 0..3 {
+                scope.spawn(|| {
+                    for _ in 0..200 {
+                        let sum = AtomicUsize::new(0);
+                        for_each_task(8, &|t| {
+                            let inner = AtomicUsize::new(0);
+                            for_each_task(4, &|u| {
+                                inner.fetch_add(u + 1, Relaxed);
+                            });
+                            sum.fetch_add(t + inner.load(Relaxed), Relaxed);
+                        });
+                        assert_eq!(sum.load(Relaxed), 28 + 8 * 10);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_panicking_task_panics_the_caller_and_the_pool_goes_on() {
+        set_compute_threads(2);
+        for _ in 0..20 {
+            let result = catch_unwind(|| {
+                for_each_task(64, &|t| {
+                    if t == 17 {
+                        panic!("task 17");
+                    }
+                })
+            });
+            assert!(result.is_err());
+        }
+        let count = AtomicUsize::new(0);
+        for_each_task(64, &|_| {
+            count.fetch_add(1, Relaxed);
+        });
+        assert_eq!(count.load(Relaxed), 64);
     }
 }
