@@ -29,7 +29,7 @@ use half::slice::HalfFloatSliceExt;
 use tch::{Device, Kind, Tensor};
 
 use super::kernels::gemm::{GemmActs, GemmRows, IntGemm, LANES};
-use super::kernels::{self, scalar, Kernels, QuantRow, BLOCK};
+use super::kernels::{self, Kernels, QuantRow, BLOCK};
 use super::parallel;
 use super::{dequantize_into, QuantBits};
 use crate::error::{Error, Result};
@@ -295,40 +295,67 @@ pub(crate) enum Activations<'x> {
         scales: Vec<f32>,
         /// Per row, see [`kernels::QuantRow::offset`].
         offsets: Vec<f32>,
+        /// Per row, see [`kernels::QuantRow::pair_scales`] (empty for an unpaired set).
+        pair_scales: Vec<f32>,
     },
 }
 
-impl Activations<'_> {
-    fn prepare(x: &[f32], n: usize, cols: usize, format: MatrixFormat) -> Activations<'_> {
+impl<'x> Activations<'x> {
+    /// `n` rows of `x` as the kernels `k` take them for weights of `format`.
+    fn prepare(
+        x: &'x [f32],
+        n: usize,
+        cols: usize,
+        format: MatrixFormat,
+        k: &Kernels,
+    ) -> Activations<'x> {
         match format {
             MatrixFormat::Quant(bits) => {
                 let blocks = cols.div_ceil(BLOCK);
+                let full = cols / BLOCK;
+                let per_row_pair_scales = Activations::pair_scales_per_row(k, bits, cols);
                 let mut codes = vec![0i8; n * blocks * BLOCK];
                 let mut scales = vec![0f32; n * blocks];
                 let mut offsets = vec![0f32; n];
+                let mut pair_scales = vec![0f32; n * per_row_pair_scales];
                 let z = kernels::zero_point(bits) as f32;
-                let full = cols / BLOCK;
-                for (((row, c), s), offset) in x
+                for (i, (((row, c), s), offset)) in x
                     .chunks_exact(cols)
                     .zip(codes.chunks_exact_mut(blocks * BLOCK))
                     .zip(scales.chunks_exact_mut(blocks))
                     .zip(offsets.iter_mut())
+                    .enumerate()
                 {
-                    scalar::quantize_activations(row, bits, c, s);
+                    (k.quantize_activations)(row, bits, c, s);
                     let block_sum = |b: &[i8]| b.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
                     *offset = z * c[..full * BLOCK]
                         .chunks_exact(BLOCK)
                         .zip(s.iter())
                         .map(|(block, d)| d * block_sum(block))
                         .sum::<f32>();
+                    if per_row_pair_scales > 0 {
+                        let pairs =
+                            &mut pair_scales[i * per_row_pair_scales..][..per_row_pair_scales];
+                        kernels::pair_blocks(bits, c, s, full, pairs);
+                    }
                 }
                 Activations::Int8 {
                     codes,
                     scales,
                     offsets,
+                    pair_scales,
                 }
             }
             _ => Activations::Float(x),
+        }
+    }
+
+    /// Length of one row's [`kernels::QuantRow::pair_scales`].
+    fn pair_scales_per_row(k: &Kernels, bits: QuantBits, cols: usize) -> usize {
+        if k.paired && kernels::pair_unit(bits).is_some() {
+            cols / BLOCK / 2 * 16
+        } else {
+            0
         }
     }
 }
@@ -451,7 +478,7 @@ pub(crate) fn gemv(
     k: &'static Kernels,
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
-    let acts = Activations::prepare(x, n, cols, w.format);
+    let acts = Activations::prepare(x, n, cols, w.format, k);
     // Rows are computed into `[rows, n]` (contiguous per task), then transposed when n > 1.
     let mut by_row = if n == 1 {
         Vec::new()
@@ -506,15 +533,18 @@ fn row_dots(
                 codes,
                 scales,
                 offsets,
+                pair_scales,
             },
         ) => {
             let blocks = cols.div_ceil(BLOCK);
+            let pairs = Activations::pair_scales_per_row(k, bits, cols);
             let scale = w.scales[r];
             for (i, y) in y.iter_mut().enumerate() {
                 let x = QuantRow {
                     codes: &codes[i * blocks * BLOCK..(i + 1) * blocks * BLOCK],
                     scales: &scales[i * blocks..(i + 1) * blocks],
                     offset: offsets[i],
+                    pair_scales: &pair_scales[i * pairs..(i + 1) * pairs],
                 };
                 *y = scale * (k.dot_quant)(row, bits, cols, &x);
             }
@@ -814,6 +844,56 @@ mod tests {
                     .zip(&want)
                     .all(|(g, e)| g.to_bits() == e.to_bits());
                 assert!(same, "{} {} [{rows}, {cols}] n={n}", int.name, bits.name());
+            }
+        }
+    }
+
+    /// Every kernel set rounds activations to the scalar reference's codes and scales bit for
+    /// bit: random rows, rows of exact halves (a block whose maximum is 127 has scale 1, so
+    /// `k + 0.5` and its neighbours one ulp away are rounded as they are), zero blocks, and
+    /// rows ending in a partial block.
+    #[test]
+    fn activation_rounding_is_the_references_in_every_kernel_set() {
+        let mut rng = Rng(5);
+        for bits in QuantBits::ALL {
+            for cols in [32, 64, 100, 2048] {
+                let random: Vec<f32> = (0..cols).map(|_| rng.uniform() * 7.0).collect();
+                let halves: Vec<f32> = (0..cols)
+                    .map(|i| match i % 32 {
+                        0 => 127.0,
+                        j => {
+                            let v = (j as f32 - 16.0) * 3.0 + 0.5;
+                            match i / 32 % 3 {
+                                0 => v,
+                                1 => f32::from_bits(v.to_bits() + 1),
+                                _ => f32::from_bits(v.to_bits() - 1),
+                            }
+                        }
+                    })
+                    .collect();
+                let zeros = vec![0f32; cols];
+                for x in [random, halves, zeros] {
+                    let blocks = cols.div_ceil(BLOCK);
+                    let (mut want_codes, mut want_scales) =
+                        (vec![0i8; blocks * BLOCK], vec![0f32; blocks]);
+                    kernels::scalar::quantize_activations(
+                        &x,
+                        bits,
+                        &mut want_codes,
+                        &mut want_scales,
+                    );
+                    for k in kernels::available() {
+                        let (mut codes, mut scales) =
+                            (vec![0i8; blocks * BLOCK], vec![0f32; blocks]);
+                        (k.quantize_activations)(&x, bits, &mut codes, &mut scales);
+                        assert_eq!(codes, want_codes, "{} {} cols={cols}", k.name, bits.name());
+                        let same = scales
+                            .iter()
+                            .zip(&want_scales)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{} {} cols={cols}", k.name, bits.name());
+                    }
+                }
             }
         }
     }

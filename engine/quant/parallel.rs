@@ -19,6 +19,7 @@
 //!   one that has not woken yet: a late helper finds the tasks taken and the product gone.
 
 use std::any::Any;
+use std::cell::Cell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -30,6 +31,11 @@ use std::time::{Duration, Instant};
 pub const SPIN: Duration = Duration::from_micros(500);
 
 static POOL: OnceLock<Option<Pool>> = OnceLock::new();
+
+thread_local! {
+    /// Whether this thread is one of the pool's helpers.
+    static ON_HELPER: Cell<bool> = const { Cell::new(false) };
+}
 
 /// Sets the number of compute threads (once per process; later calls are ignored).
 pub fn set_compute_threads(threads: usize) {
@@ -49,7 +55,9 @@ pub fn compute_threads() -> usize {
 /// The calling thread takes tasks too, from one shared counter with the helpers: it starts at
 /// once, and a helper that wakes late finds fewer (or no) tasks left instead of holding the
 /// product up. One product runs on the pool at a time: a call made while another thread's
-/// product holds it (or from inside a task) runs its tasks on its own thread.
+/// product holds it, or from inside a task, runs its tasks on its own thread. (The caller waits
+/// for every helper inside the pool, so a long stream of products from a second thread can hold
+/// a first one back; the engine makes its products from one thread.)
 pub fn for_each_task(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     match POOL.get_or_init(|| None) {
         Some(pool) if tasks > 1 => pool.run(tasks, task),
@@ -137,6 +145,12 @@ impl Pool {
     }
 
     fn run(&self, tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+        // A product started by a task on a helper runs there: the helper is counted in
+        // `inside`, which the product would wait to see at 0.
+        if ON_HELPER.get() {
+            (0..tasks).for_each(task);
+            return;
+        }
         let job = Job {
             task,
             tasks,
@@ -183,6 +197,7 @@ fn helper(shared: &Shared) {
     // OpenBLAS, x86_64's MKL) is per thread: set on the main thread only, a GEMM tile run here
     // would start a BLAS team of one thread per core, on top of these threads.
     tch::set_num_threads(1);
+    ON_HELPER.set(true);
     let mut seen = shared.generation.load(SeqCst);
     loop {
         seen = wait_for_product(shared, seen);
@@ -286,6 +301,41 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// A helper that starts a product after the caller has drained its own (and waits for the
+    /// helper) runs it on its own thread: publishing it would wait for itself. (Without that
+    /// rule this test deadlocks.)
+    #[test]
+    fn a_product_started_on_a_helper_after_the_caller_drained_completes() {
+        set_compute_threads(2);
+        let mut helper_ran = false;
+        for _ in 0..100 {
+            let inner = AtomicUsize::new(0);
+            let on_helper = AtomicUsize::new(0);
+            for_each_task(2, &|_| {
+                if ON_HELPER.get() {
+                    on_helper.fetch_add(1, Relaxed);
+                    std::thread::sleep(Duration::from_millis(5));
+                    for_each_task(4, &|_| {
+                        inner.fetch_add(1, Relaxed);
+                    });
+                } else {
+                    // Until the helper has taken the other task (it may not: another test's
+                    // product can hold the pool, and then both run here).
+                    let start = Instant::now();
+                    while on_helper.load(Relaxed) == 0 && start.elapsed() < SPIN * 100 {
+                        std::thread::yield_now();
+                    }
+                }
+            });
+            assert_eq!(inner.load(Relaxed), 4 * on_helper.load(Relaxed));
+            helper_ran |= on_helper.load(Relaxed) > 0;
+            if helper_ran {
+                break;
+            }
+        }
+        assert!(helper_ran);
     }
 
     #[test]

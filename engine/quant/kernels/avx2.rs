@@ -100,6 +100,8 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    quantize_activations: super::scalar::quantize_activations,
+    paired: false,
 };
 
 /// Whether this CPU runs [`KERNELS_VNNI`] (AVX-VNNI on 256-bit registers: Alder Lake, Sapphire
@@ -116,6 +118,8 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    quantize_activations: super::scalar::quantize_activations,
+    paired: false,
 };
 
 #[target_feature(enable = "avx2,fma")]

@@ -38,7 +38,8 @@ pub(crate) fn gemv_supported() -> bool {
     supported() && avx2::vnni_supported()
 }
 
-/// The GEMV kernels with INT2 rows on 512-bit registers; the other formats as
+/// The GEMV kernels with INT4 and INT2 rows on 512-bit registers, two blocks per vector (the
+/// activations rearranged by [`super::pair_blocks`]); the other formats as
 /// [`avx2::KERNELS_VNNI`].
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx512+vnni",
@@ -46,107 +47,235 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f16: avx2::KERNELS_VNNI.dot_f16,
     dot_bf16: avx2::KERNELS_VNNI.dot_bf16,
     dot_f32: avx2::KERNELS_VNNI.dot_f32,
+    // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
+    quantize_activations: |x, bits, codes, scales| unsafe {
+        quantize_activations(x, bits, codes, scales)
+    },
+    paired: true,
 };
 
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
     match bits {
-        // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
-        QuantBits::Int2 => unsafe { dot_int2(row, cols, x) },
-        _ => (avx2::KERNELS_VNNI.dot_quant)(row, bits, cols, x),
+        // SAFETY (both): `KERNELS` is only chosen when `gemv_supported()` said yes.
+        QuantBits::Int4 => unsafe { dot_paired::<4>(row, cols, x) },
+        QuantBits::Int2 => unsafe { dot_paired::<2>(row, cols, x) },
+        QuantBits::Int8 => (avx2::KERNELS_VNNI.dot_quant)(row, bits, cols, x),
     }
 }
 
-/// INT2 rows, two blocks (16 bytes, 64 codes) per step: each block's 8 bytes copied into four
-/// 64-bit lanes, shifted to fields 0–3 (the activations' [`super::block_order`]), masked and
-/// made unsigned (`code + 2`) in one `vpternlogq`, one `vpdpbusd` against the two blocks'
-/// activation codes, and one FMA with their two scales (lanes 0–7 and 8–15). The AVX2 kernel
-/// spends about nine vector instructions per block on the same work, which bounds it below the
-/// memory bandwidth; this one spends about three and a half.
+const LOW4: i64 = 0x0f0f_0f0f_0f0f_0f0f;
+const HIGH4: i64 = 0xf0f0_f0f0_f0f0_f0f0_u64 as i64;
+const ZP4: i64 = 0x0808_0808_0808_0808;
+const ZP_HIGH4: i64 = 0x8080_8080_8080_8080_u64 as i64;
+
+/// INT4 or INT2 rows, two blocks (64 codes: 32 or 16 bytes) per step, on activations
+/// rearranged by [`super::pair_blocks`]. The pair's bytes are broadcast from memory into every
+/// 128-bit (INT2: 64-bit) lane; one `vpternlogq` keeps in each lane the field its activation
+/// unit holds and makes it unsigned where it lies (`(code + z) << shift`), one `vpdpbusd` takes
+/// the 64 products, and one FMA applies the pair's 16 activation scales, which
+/// [`super::pair_blocks`] divided by each field's place value (exact: powers of two; the i32
+/// sums stay below 2^24, so converting them to f32 is exact too). Four vector instructions per
+/// 64 codes besides the loads, two of them on the one port that runs `vpdpbusd` and the
+/// conversion; nothing moves across lanes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn dot_int2(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
+fn dot_paired<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
+    let bits = if BITS == 4 {
+        QuantBits::Int4
+    } else {
+        QuantBits::Int2
+    };
     let full = cols / BLOCK;
-    assert!(row.len() >= full * 8 && x.codes.len() >= full * BLOCK && x.scales.len() >= full);
-    let lanes = _mm512_set_epi64(1, 1, 1, 1, 0, 0, 0, 0);
-    let shifts = _mm512_set_epi64(6, 4, 2, 0, 6, 4, 2, 0);
-    let (mask, two) = (_mm512_set1_epi8(3), _mm512_set1_epi8(2));
+    let pairs = full / 2;
+    let block_bytes = BLOCK * BITS / 8;
+    assert!(row.len() >= full * block_bytes && x.codes.len() >= full * BLOCK);
+    assert!(x.scales.len() >= full && x.pair_scales.len() >= pairs * 16);
     let w = row.as_ptr();
-    // Blocks `b` and (when `both`) `b + 1`, as f32 partial sums times their scales.
-    let step = |b: usize, both: bool, acc: __m512| {
-        // SAFETY: block `b` (and `b + 1` when `both`) lies inside `row`, `x.codes` and
-        // `x.scales` (lengths asserted above); the loads of a lone block read only its bytes.
+    // Per 64-bit lane, the field it keeps and that field's zero point, in place: INT4 128-bit
+    // lanes hold (low a, low b, high a, high b) nibbles; INT2 64-bit lanes (field 0 of a, of b,
+    // field 1 of a, …).
+    let (field_mask, zero_point) = if BITS == 4 {
+        (
+            _mm512_set_epi64(HIGH4, HIGH4, HIGH4, HIGH4, LOW4, LOW4, LOW4, LOW4),
+            _mm512_set_epi64(ZP_HIGH4, ZP_HIGH4, ZP_HIGH4, ZP_HIGH4, ZP4, ZP4, ZP4, ZP4),
+        )
+    } else {
+        let field = |k: i64| 0x0303_0303_0303_0303 << (2 * k);
+        let zero = |k: i64| 0x0202_0202_0202_0202 << (2 * k);
+        (
+            _mm512_set_epi64(
+                field(3),
+                field(3),
+                field(2),
+                field(2),
+                field(1),
+                field(1),
+                field(0),
+                field(0),
+            ),
+            _mm512_set_epi64(
+                zero(3),
+                zero(3),
+                zero(2),
+                zero(2),
+                zero(1),
+                zero(1),
+                zero(0),
+                zero(0),
+            ),
+        )
+    };
+    // Pair `p`'s 16 partial sums times their scales, added to `acc`.
+    let step = |p: usize, acc: __m512| {
+        // SAFETY: pair `p` (blocks 2p, 2p + 1) lies inside `row`, `x.codes` and
+        // `x.pair_scales` (lengths asserted above).
         unsafe {
-            let (v, xv, upper) = if both {
-                (
-                    _mm512_castsi128_si512(_mm_loadu_si128(w.add(b * 8).cast())),
-                    _mm512_loadu_si512(x.codes.as_ptr().add(b * BLOCK).cast()),
-                    *x.scales.get_unchecked(b + 1),
-                )
+            let v = if BITS == 4 {
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(p * 32).cast()))
             } else {
-                (
-                    _mm512_castsi128_si512(_mm_loadl_epi64(w.add(b * 8).cast())),
-                    _mm512_zextsi256_si512(_mm256_loadu_si256(
-                        x.codes.as_ptr().add(b * BLOCK).cast(),
-                    )),
-                    0.0,
-                )
+                _mm512_broadcast_i32x4(_mm_loadu_si128(w.add(p * 16).cast()))
             };
-            let fields = _mm512_srlv_epi64(_mm512_permutexvar_epi64(lanes, v), shifts);
-            // (fields & 3) ^ 2: the two's-complement field plus 2.
-            let unsigned = _mm512_ternarylogic_epi64::<0x6a>(fields, mask, two);
+            // (v & mask) ^ z: each lane's two's-complement field plus z, in place.
+            let unsigned = _mm512_ternarylogic_epi64::<0x6a>(v, field_mask, zero_point);
+            let xv = _mm512_loadu_si512(x.codes.as_ptr().add(p * 2 * BLOCK).cast());
             let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned, xv);
-            let scales = _mm512_mask_blend_ps(
-                0xff00,
-                _mm512_set1_ps(*x.scales.get_unchecked(b)),
-                _mm512_set1_ps(upper),
-            );
+            let scales = _mm512_loadu_ps(x.pair_scales.as_ptr().add(p * 16));
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scales, acc)
         }
     };
-    let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let quads = full / 4;
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let quads = pairs / 4;
     for q in 0..quads {
-        let b = q * 4;
+        let p = q * 4;
         // The next rows of a large matrix are far from the caches: ask for them early.
-        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(b * 8 + avx2::PREFETCH_AHEAD).cast());
-        a0 = step(b, true, a0);
-        a1 = step(b + 2, true, a1);
+        let ahead = w.wrapping_add(p * 2 * block_bytes + avx2::PREFETCH_AHEAD);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        if BITS == 4 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+        }
+        acc[0] = step(p, acc[0]);
+        acc[1] = step(p + 1, acc[1]);
+        acc[2] = step(p + 2, acc[2]);
+        acc[3] = step(p + 3, acc[3]);
     }
-    let mut b = quads * 4;
-    while b < full {
-        a0 = step(b, b + 1 < full, a0);
-        b += 2;
+    for p in quads * 4..pairs {
+        acc[0] = step(p, acc[0]);
     }
-    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) - x.offset;
+    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    let mut sum = _mm512_reduce_add_ps(sum) - x.offset;
+    // A last odd whole block, unpaired: its offset share is in `x.offset`, so it is summed
+    // signed plus the zero point, as the pairs are.
+    if full % 2 == 1 {
+        let b = full - 1;
+        let block = &x.codes[b * BLOCK..(b + 1) * BLOCK];
+        let z = super::zero_point(bits);
+        let plus_zero: i32 = block.iter().map(|&c| z * i32::from(c)).sum();
+        let signed = scalar::block_sum(row, bits, cols, b, x.codes);
+        sum += x.scales[b] * (signed + plus_zero) as f32;
+    }
     if full * BLOCK < cols {
-        sum += x.scales[full] * scalar::block_sum(row, QuantBits::Int2, cols, full, x.codes) as f32;
+        sum += x.scales[full] * scalar::block_sum(row, bits, cols, full, x.codes) as f32;
     }
     sum
 }
 
-/// The reference activation preparation of [`super::gemm`], 32 values at a time: the block's absolute maximum in registers, the
-/// same divisions for its scale, rounding half away from zero by truncating and comparing the
-/// remainder (as [`super::scalar`] does), a saturating narrowing to bytes, and one scatter of
-/// the block's eight 4-byte steps into its row's lane.
+/// The reference activation preparation of [`super::gemm`], 32 values at a time: each block
+/// rounded by [`round_block`], made unsigned, and its eight 4-byte steps scattered into its
+/// row's lane.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut GemmActs) {
     acts.reset(n, cols);
     let blocks = acts.blocks;
     let width = blocks * BLOCK;
     assert!(x.len() >= n * cols && acts.codes.len() >= n.div_ceil(LANES) * width * LANES);
-    // Output position p of a block takes element `source[p]`.
-    let mut source = [0i32; BLOCK];
-    for i in 0..BLOCK {
-        source[super::block_order(bits, i)] = i as i32;
+    let order = BlockOrder::new(bits);
+    for (t, row) in x.chunks_exact(cols).take(n).enumerate() {
+        let (group, lane) = (t / LANES, t % LANES);
+        let lane_codes = acts.codes[group * width * LANES + lane * 4..].as_mut_ptr();
+        let steps = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+        for b in 0..blocks {
+            let (d, codes) = round_block(row, b, &order);
+            acts.scales[(group * blocks + b) * LANES + lane] = d;
+            let codes = _mm256_xor_si256(codes, _mm256_set1_epi8(-128));
+            // SAFETY: the block's eight steps of this row's lane: bytes `(b × 8 + s) × 64` past
+            // `lane_codes`, inside the group (length asserted above).
+            unsafe {
+                _mm256_i32scatter_epi32::<4>(lane_codes.add(b * 8 * 64).cast(), steps, codes)
+            };
+        }
     }
-    // SAFETY: 16 + 16 values of a 32-value array.
-    let (first_half, second_half) = unsafe {
+}
+
+/// [`scalar::quantize_activations`] (the GEMV's activation rounding), 32 values at a time as
+/// [`prepare_acts`] rounds them: the same codes and scales.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn quantize_activations(x: &[f32], bits: QuantBits, codes: &mut [i8], scales: &mut [f32]) {
+    let blocks = x.len().div_ceil(BLOCK);
+    assert!(codes.len() >= blocks * BLOCK && scales.len() >= blocks);
+    let order = BlockOrder::new(bits);
+    for (b, scale) in scales.iter_mut().enumerate().take(blocks) {
+        let (d, block) = round_block(x, b, &order);
+        *scale = d;
+        // SAFETY: block `b`'s 32 codes (length asserted above).
+        unsafe { _mm256_storeu_si256(codes.as_mut_ptr().add(b * BLOCK).cast(), block) };
+    }
+}
+
+/// Where each position of a block in [`super::block_order`] takes its value from, as two
+/// permutation vectors over the block's two halves (unused for INT8, which keeps its order).
+struct BlockOrder {
+    first_half: __m512i,
+    second_half: __m512i,
+    reorder: bool,
+}
+
+impl BlockOrder {
+    #[target_feature(enable = "avx512f")]
+    fn new(bits: QuantBits) -> BlockOrder {
+        // Output position p of a block takes element `source[p]`.
+        let mut source = [0i32; BLOCK];
+        for i in 0..BLOCK {
+            source[super::block_order(bits, i)] = i as i32;
+        }
+        // SAFETY: 16 + 16 values of a 32-value array.
+        unsafe {
+            BlockOrder {
+                first_half: _mm512_loadu_si512(source.as_ptr().cast()),
+                second_half: _mm512_loadu_si512(source.as_ptr().add(16).cast()),
+                reorder: bits != QuantBits::Int8,
+            }
+        }
+    }
+}
+
+/// Block `b` of an activation row rounded to INT8: its scale (`max|x| / 127`, the same
+/// divisions as the scalar reference) and its 32 signed codes in block order, rounded half away
+/// from zero by truncating and comparing the remainder (as [`super::scalar`] does), narrowed
+/// with saturation; values past the row's end are zero.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn round_block(row: &[f32], b: usize, order: &BlockOrder) -> (f32, __m256i) {
+    let first = b * BLOCK;
+    let len = BLOCK.min(row.len() - first);
+    // SAFETY: the masks cover values `first .. first + len` of the row only.
+    let (a, c) = unsafe {
         (
-            _mm512_loadu_si512(source.as_ptr().cast()),
-            _mm512_loadu_si512(source.as_ptr().add(16).cast()),
+            _mm512_maskz_loadu_ps(mask_of(len), row.as_ptr().add(first)),
+            _mm512_maskz_loadu_ps(
+                mask_of(len.saturating_sub(16)),
+                row.as_ptr().wrapping_add(first + 16),
+            ),
         )
     };
-    let reorder = bits != QuantBits::Int8;
-    let steps = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+    let max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    let d = max / 127.0;
+    let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let (a, c) = if order.reorder {
+        (
+            _mm512_permutex2var_ps(a, order.first_half, c),
+            _mm512_permutex2var_ps(a, order.second_half, c),
+        )
+    } else {
+        (a, c)
+    };
     let (one, half) = (_mm512_set1_epi32(1), _mm512_set1_ps(0.5));
     let round = |v: __m512| {
         let t = _mm512_cvttps_epi32(v);
@@ -157,45 +286,10 @@ fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut Ge
         let t = _mm512_mask_add_epi32(t, up, t, one);
         _mm512_mask_sub_epi32(t, down, t, one)
     };
-    for (t, row) in x.chunks_exact(cols).take(n).enumerate() {
-        let (group, lane) = (t / LANES, t % LANES);
-        let lane_codes = acts.codes[group * width * LANES + lane * 4..].as_mut_ptr();
-        for b in 0..blocks {
-            let first = b * BLOCK;
-            let len = BLOCK.min(cols - first);
-            // SAFETY: the masks cover values `first .. first + len` of the row only.
-            let (a, c) = unsafe {
-                (
-                    _mm512_maskz_loadu_ps(mask_of(len), row.as_ptr().add(first)),
-                    _mm512_maskz_loadu_ps(
-                        mask_of(len.saturating_sub(16)),
-                        row.as_ptr().wrapping_add(first + 16),
-                    ),
-                )
-            };
-            let max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-            let d = max / 127.0;
-            let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
-            acts.scales[(group * blocks + b) * LANES + lane] = d;
-            let (a, c) = if reorder {
-                (
-                    _mm512_permutex2var_ps(a, first_half, c),
-                    _mm512_permutex2var_ps(a, second_half, c),
-                )
-            } else {
-                (a, c)
-            };
-            let inverse = _mm512_set1_ps(inverse);
-            let low = _mm512_cvtsepi32_epi8(round(_mm512_mul_ps(a, inverse)));
-            let high = _mm512_cvtsepi32_epi8(round(_mm512_mul_ps(c, inverse)));
-            let codes = _mm256_xor_si256(_mm256_set_m128i(high, low), _mm256_set1_epi8(-128));
-            // SAFETY: the block's eight steps of this row's lane: bytes `(b × 8 + s) × 64` past
-            // `lane_codes`, inside the group (length asserted above).
-            unsafe {
-                _mm256_i32scatter_epi32::<4>(lane_codes.add(b * 8 * 64).cast(), steps, codes)
-            };
-        }
-    }
+    let inverse = _mm512_set1_ps(inverse);
+    let low = _mm512_cvtsepi32_epi8(round(_mm512_mul_ps(a, inverse)));
+    let high = _mm512_cvtsepi32_epi8(round(_mm512_mul_ps(c, inverse)));
+    (d, _mm256_set_m128i(high, low))
 }
 
 /// A 16-lane mask of the first `len` lanes (all of them from 16 on).

@@ -11,8 +11,9 @@
 //! - an integer GEMM for many activation rows against integer weights ([`gemm`]: layouts and
 //!   the scalar reference; AVX-512 VNNI in [`avx512`]), where the CPU has one.
 //!
-//! Activation blocks of the dot products are stored in the order the SIMD kernels unpack weights, so no kernel
-//! shuffles in its inner loop: see [`block_order`].
+//! Activation blocks of the dot products are stored in the order the SIMD kernels unpack
+//! weights, so no kernel shuffles in its inner loop: see [`block_order`], and [`pair_blocks`]
+//! for the 512-bit set, which takes two blocks per vector.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
@@ -54,6 +55,62 @@ pub(crate) struct QuantRow<'a> {
     /// signed codes and do not need it.)
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub offset: f32,
+    /// For a [`Kernels::paired`] set and INT4/INT2 weights: 16 scales per pair of whole blocks,
+    /// laid out as the pair's 16 i32 sums come out of one `vpdpbusd` (see [`pair_blocks`]);
+    /// empty otherwise.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub pair_scales: &'a [f32],
+}
+
+/// For a [`Kernels::paired`] set: how many bytes of one block's codes stay together when two
+/// blocks share a 64-byte vector. INT4 16 (the low nibbles' values, then the high ones'), INT2
+/// 8 (one 2-bit field's values); INT8 rows are not paired.
+pub(crate) fn pair_unit(bits: QuantBits) -> Option<usize> {
+    match bits {
+        QuantBits::Int8 => None,
+        QuantBits::Int4 => Some(16),
+        QuantBits::Int2 => Some(8),
+    }
+}
+
+/// Rearranges one activation row (codes in [`block_order`], one scale per block) for a
+/// [`Kernels::paired`] set: the codes of whole blocks `2p` and `2p + 1` are interleaved in
+/// units of [`pair_unit`] bytes (`a0 b0 a1 b1 …`), which is where a 64-byte vector of the two
+/// blocks' weights, broadcast from memory, holds the fields they multiply. `pair_scales` gets,
+/// per pair, for each of the 16 i32 sums of that vector, the scale of its block divided by the
+/// place value of its field in the weight bytes (1, 16 for INT4's high nibbles; 1, 4, 16, 64
+/// for INT2's fields): the kernel multiplies each field where it lies, unshifted. A last odd
+/// block and the partial block stay as they were.
+pub(crate) fn pair_blocks(
+    bits: QuantBits,
+    codes: &mut [i8],
+    scales: &[f32],
+    full: usize,
+    pair_scales: &mut [f32],
+) {
+    let Some(unit) = pair_unit(bits) else {
+        return;
+    };
+    let pairs = full / 2;
+    assert!(codes.len() >= pairs * 2 * BLOCK && pair_scales.len() >= pairs * 16);
+    for (p, (pair, lanes)) in codes
+        .chunks_exact_mut(2 * BLOCK)
+        .zip(pair_scales.chunks_exact_mut(16))
+        .take(pairs)
+        .enumerate()
+    {
+        let plain: [i8; 2 * BLOCK] = pair.try_into().expect("a pair is 64 codes");
+        for (u, dst) in pair.chunks_exact_mut(unit).enumerate() {
+            let (block, k) = (u % 2, u / 2);
+            dst.copy_from_slice(&plain[block * BLOCK + k * unit..][..unit]);
+        }
+        let field_bits = bits.bits() as usize;
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            let u = 4 * i / unit;
+            let place = (1u32 << (field_bits * (u / 2))) as f32;
+            *lane = scales[2 * p + u % 2] / place;
+        }
+    }
 }
 
 /// Zero point the AVX2 kernels add to INT4/INT2 codes to make them unsigned.
@@ -70,6 +127,9 @@ pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &QuantRow<'_>) -> f32;
 /// `Σ_i w[i] · x[i]` over a stored float row (16-bit, or f32 for [`Kernels::dot_f32`]).
 pub(crate) type DotFloat = fn(&[u8], &[f32]) -> f32;
 
+/// Codes in [`block_order`] and one scale per block of an f32 activation row.
+pub(crate) type QuantizeActivations = fn(&[f32], QuantBits, &mut [i8], &mut [f32]);
+
 /// One instruction set's dot-product kernels.
 pub(crate) struct Kernels {
     pub name: &'static str,
@@ -77,6 +137,11 @@ pub(crate) struct Kernels {
     pub dot_f16: DotFloat,
     pub dot_bf16: DotFloat,
     pub dot_f32: DotFloat,
+    /// Rounds an activation row to INT8 blocks: [`scalar::quantize_activations`]'s codes and
+    /// scales, however computed.
+    pub quantize_activations: QuantizeActivations,
+    /// Whether `dot_quant` takes INT4/INT2 activations rearranged by [`pair_blocks`].
+    pub paired: bool,
 }
 
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -85,6 +150,8 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dot_f16: scalar::dot_f16,
     dot_bf16: scalar::dot_bf16,
     dot_f32: scalar::dot_f32,
+    quantize_activations: scalar::quantize_activations,
+    paired: false,
 };
 
 /// Every kernel set this CPU can run, the scalar reference first.

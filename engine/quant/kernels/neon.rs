@@ -109,6 +109,8 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    quantize_activations: super::scalar::quantize_activations,
+    paired: false,
 };
 
 pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
@@ -118,6 +120,8 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    quantize_activations: super::scalar::quantize_activations,
+    paired: false,
 };
 
 #[target_feature(enable = "neon")]
