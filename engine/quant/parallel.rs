@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 /// How long an idle helper polls for the next product before it sleeps: longer than the
 /// libtorch ops between two products of a decode step, short enough that a waiting engine (a
 /// stall on an expert read, a server between requests) does not hold a core.
-pub const SPIN: Duration = Duration::from_micros(500);
+pub(crate) const SPIN: Duration = Duration::from_micros(500);
 
 static POOL: OnceLock<Option<Pool>> = OnceLock::new();
 
