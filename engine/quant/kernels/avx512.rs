@@ -38,15 +38,14 @@ pub(crate) fn gemv_supported() -> bool {
     supported() && avx2::vnni_supported()
 }
 
-/// The GEMV kernels with f16, bf16, INT4 and INT2 rows on 512-bit registers (INT4/INT2 two
-/// blocks per vector, on activations rearranged by [`super::pair_blocks`]); f32 and INT8 rows
-/// as [`avx2::KERNELS_VNNI`], which reads them as fast as memory gives them.
+/// The GEMV kernels with INT4 and INT2 rows on 512-bit registers, two blocks per vector (the
+/// activations rearranged by [`super::pair_blocks`]); the other formats as
+/// [`avx2::KERNELS_VNNI`].
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx512+vnni",
     dot_quant,
-    // SAFETY (both): `KERNELS` is only chosen when `gemv_supported()` said yes.
-    dot_f16: |row, x| unsafe { dot_f16(row, x) },
-    dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
+    dot_f16: avx2::KERNELS_VNNI.dot_f16,
+    dot_bf16: avx2::KERNELS_VNNI.dot_bf16,
     dot_f32: avx2::KERNELS_VNNI.dot_f32,
     // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
     quantize_activations: |x, bits, codes, scales| unsafe {
@@ -62,53 +61,6 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 
         QuantBits::Int2 => unsafe { dot_paired::<2>(row, cols, x) },
         QuantBits::Int8 => (avx2::KERNELS_VNNI.dot_quant)(row, bits, cols, x),
     }
-}
-
-/// 16-bit float rows, 64 values (two cache lines) per step into four accumulators, widened to
-/// f32 in registers: a 256-bit kernel spends as many instructions on half the values, and does
-/// not keep up with memory. The tail as [`avx2::KERNELS_VNNI`].
-#[target_feature(enable = "avx512f")]
-fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m256i) -> __m512) -> f32 {
-    let steps = x.len() / 64;
-    assert!(row.len() >= steps * 128);
-    let w = row.as_ptr();
-    let mut acc = [_mm512_setzero_ps(); 4];
-    for s in 0..steps {
-        let ahead = w.wrapping_add(s * 128 + avx2::PREFETCH_AHEAD);
-        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
-        for (j, a) in acc.iter_mut().enumerate() {
-            let at = s * 64 + j * 16;
-            // SAFETY: 16 values from `at`: inside `row` (asserted above) and `x` (`at + 16 ≤
-            // steps × 64 ≤ x.len()`).
-            let (h, xv) = unsafe {
-                (
-                    _mm256_loadu_si256(w.add(at * 2).cast()),
-                    _mm512_loadu_ps(x.as_ptr().add(at)),
-                )
-            };
-            *a = _mm512_fmadd_ps(widen(h), xv, *a);
-        }
-    }
-    _mm512_reduce_add_ps(_mm512_add_ps(
-        _mm512_add_ps(acc[0], acc[1]),
-        _mm512_add_ps(acc[2], acc[3]),
-    ))
-}
-
-#[target_feature(enable = "avx512f")]
-fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
-    let head = x.len() / 64 * 64;
-    dot_half(row, x, |h| _mm512_cvtph_ps(h))
-        + (avx2::KERNELS_VNNI.dot_f16)(&row[head * 2..], &x[head..])
-}
-
-#[target_feature(enable = "avx512f")]
-fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
-    let head = x.len() / 64 * 64;
-    dot_half(row, x, |h| {
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-    }) + (avx2::KERNELS_VNNI.dot_bf16)(&row[head * 2..], &x[head..])
 }
 
 const LOW4: i64 = 0x0f0f_0f0f_0f0f_0f0f;
