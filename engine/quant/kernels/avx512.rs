@@ -99,29 +99,13 @@ fn dot_paired<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f
             _mm512_set_epi64(ZP_HIGH4, ZP_HIGH4, ZP_HIGH4, ZP_HIGH4, ZP4, ZP4, ZP4, ZP4),
         )
     } else {
-        let field = |k: i64| 0x0303_0303_0303_0303 << (2 * k);
-        let zero = |k: i64| 0x0202_0202_0202_0202 << (2 * k);
+        // Lanes 2k and 2k + 1 (blocks a and b) keep field k.
+        let per_field = |of: fn(i64) -> i64| {
+            _mm512_set_epi64(of(3), of(3), of(2), of(2), of(1), of(1), of(0), of(0))
+        };
         (
-            _mm512_set_epi64(
-                field(3),
-                field(3),
-                field(2),
-                field(2),
-                field(1),
-                field(1),
-                field(0),
-                field(0),
-            ),
-            _mm512_set_epi64(
-                zero(3),
-                zero(3),
-                zero(2),
-                zero(2),
-                zero(1),
-                zero(1),
-                zero(0),
-                zero(0),
-            ),
+            per_field(|k| 0x0303_0303_0303_0303 << (2 * k)),
+            per_field(|k| 0x0202_0202_0202_0202 << (2 * k)),
         )
     };
     // Pair `p`'s 16 partial sums times their scales, added to `acc`.
