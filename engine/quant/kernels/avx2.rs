@@ -175,30 +175,48 @@ fn dot_quant_vnni(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) ->
     }
 }
 
+/// INT8 rows of [`dot_quant_vnni`] with the 256-bit `vpdpbusd` of AVX-512 VNNI (EVEX-encoded,
+/// with AVX-512 VL), for CPUs that have it without AVX-VNNI (Zen 4, Ice Lake).
+///
+/// # Safety
+/// The CPU has AVX2, FMA, AVX-512 VNNI and AVX-512 VL.
+#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+pub(crate) unsafe fn dot_int8_evex_vnni(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { dot_quant_body::<8, EVEX_VNNI>(row, cols, x) }
+}
+
 #[target_feature(enable = "avx2,fma")]
 fn dot_quant_bits<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
     // SAFETY: the caller's CPU has every feature this function enables.
-    unsafe { dot_quant_body::<BITS, false>(row, cols, x) }
+    unsafe { dot_quant_body::<BITS, MADD>(row, cols, x) }
 }
 
 #[target_feature(enable = "avx2,fma,avxvnni")]
 fn dot_quant_bits_vnni<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
     // SAFETY: the caller's CPU has every feature this function enables.
-    unsafe { dot_quant_body::<BITS, true>(row, cols, x) }
+    unsafe { dot_quant_body::<BITS, AVX_VNNI>(row, cols, x) }
 }
 
-/// `unsigned · signed` byte products of a block summed in fours into 8 i32 lanes.
+/// How [`unsigned_products`] sums a block's byte products: `maddubs` + `madd` (AVX2), or one
+/// `vpdpbusd` in its VEX (AVX-VNNI) or EVEX (AVX-512 VNNI + VL) encoding.
+const MADD: u8 = 0;
+const AVX_VNNI: u8 = 1;
+const EVEX_VNNI: u8 = 2;
+
+/// `unsigned · signed` byte products of a block summed in fours into 8 i32 lanes, as `SUM`
+/// says ([`MADD`], [`AVX_VNNI`], [`EVEX_VNNI`]).
 ///
 /// # Safety
-/// Only inlined into functions that enable AVX2 (and `avxvnni` when `VNNI`).
+/// Only inlined into functions that enable AVX2 and the features `SUM` needs.
 #[inline(always)]
-unsafe fn unsigned_products<const VNNI: bool>(u: __m256i, x: __m256i) -> __m256i {
+unsafe fn unsigned_products<const SUM: u8>(u: __m256i, x: __m256i) -> __m256i {
     // SAFETY: see the function's contract.
     unsafe {
-        if VNNI {
-            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x)
-        } else {
-            _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))
+        match SUM {
+            AVX_VNNI => _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x),
+            EVEX_VNNI => _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x),
+            _ => _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)),
         }
     }
 }
@@ -207,10 +225,10 @@ unsafe fn unsigned_products<const VNNI: bool>(u: __m256i, x: __m256i) -> __m256i
 /// and the activation scale broadcast.
 ///
 /// # Safety
-/// Only inlined into functions that enable AVX2 (and `avxvnni` when `VNNI`); block `b` lies
+/// Only inlined into functions that enable AVX2 and the features `SUM` needs; block `b` lies
 /// inside `w` (bytes `b × 32 × BITS / 8 ..`), `x.codes` and `x.scales`.
 #[inline(always)]
-unsafe fn quant_block<const BITS: usize, const VNNI: bool>(
+unsafe fn quant_block<const BITS: usize, const SUM: u8>(
     w: *const u8,
     x: &QuantRow<'_>,
     b: usize,
@@ -224,7 +242,7 @@ unsafe fn quant_block<const BITS: usize, const VNNI: bool>(
                 // |w| · (x signed by w): the same products with an unsigned left
                 // operand; |w| ≤ 128 and |x| ≤ 127, so `maddubs`'s i16 pairs cannot saturate.
                 let magnitude = _mm256_sign_epi8(wv, wv);
-                unsigned_products::<VNNI>(magnitude, _mm256_sign_epi8(xv, wv))
+                unsigned_products::<SUM>(magnitude, _mm256_sign_epi8(xv, wv))
             }
             4 => {
                 let v = _mm_loadu_si128(w.add(b * 16).cast());
@@ -233,7 +251,7 @@ unsafe fn quant_block<const BITS: usize, const VNNI: bool>(
                     _mm256_and_si256(both, _mm256_set1_epi8(0x0f)),
                     _mm256_set1_epi8(0x08),
                 );
-                unsigned_products::<VNNI>(u, xv)
+                unsigned_products::<SUM>(u, xv)
             }
             _ => {
                 // The block's 8 bytes in each 64-bit lane, lane k shifted to field k.
@@ -243,7 +261,7 @@ unsafe fn quant_block<const BITS: usize, const VNNI: bool>(
                     _mm256_set1_epi8(0x03),
                 );
                 let u = _mm256_xor_si256(fields, _mm256_set1_epi8(0x02));
-                unsigned_products::<VNNI>(u, xv)
+                unsigned_products::<SUM>(u, xv)
             }
         };
         let scale = _mm256_broadcast_ss(&*x.scales.as_ptr().add(b));
@@ -251,17 +269,17 @@ unsafe fn quant_block<const BITS: usize, const VNNI: bool>(
     }
 }
 
-/// The loop of [`dot_quant`] for one width, with or without VNNI.
+/// The loop of [`dot_quant`] for one width, its products summed as `SUM` says.
 ///
 /// # Safety
-/// Only inlined into functions that enable AVX2 and FMA (and `avxvnni` when `VNNI`).
+/// Only inlined into functions that enable AVX2, FMA and the features `SUM` needs.
 #[inline(always)]
-unsafe fn dot_quant_body<const BITS: usize, const VNNI: bool>(
+unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
     row: &[u8],
     cols: usize,
     x: &QuantRow<'_>,
 ) -> f32 {
-    // SAFETY: the intrinsics need AVX2/FMA (VNNI), which the callers enable (see above).
+    // SAFETY: the intrinsics need AVX2/FMA (and VNNI), which the callers enable (see above).
     unsafe {
         let bits = match BITS {
             8 => QuantBits::Int8,
@@ -290,17 +308,17 @@ unsafe fn dot_quant_body<const BITS: usize, const VNNI: bool>(
             if block_bytes == 32 {
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + 64).cast());
             }
-            let (p, s) = quant_block::<BITS, VNNI>(w, x, b);
+            let (p, s) = quant_block::<BITS, SUM>(w, x, b);
             a0 = _mm256_fmadd_ps(p, s, a0);
-            let (p, s) = quant_block::<BITS, VNNI>(w, x, b + 1);
+            let (p, s) = quant_block::<BITS, SUM>(w, x, b + 1);
             a1 = _mm256_fmadd_ps(p, s, a1);
-            let (p, s) = quant_block::<BITS, VNNI>(w, x, b + 2);
+            let (p, s) = quant_block::<BITS, SUM>(w, x, b + 2);
             a2 = _mm256_fmadd_ps(p, s, a2);
-            let (p, s) = quant_block::<BITS, VNNI>(w, x, b + 3);
+            let (p, s) = quant_block::<BITS, SUM>(w, x, b + 3);
             a3 = _mm256_fmadd_ps(p, s, a3);
         }
         for b in quads..full {
-            let (p, s) = quant_block::<BITS, VNNI>(w, x, b);
+            let (p, s) = quant_block::<BITS, SUM>(w, x, b);
             a0 = _mm256_fmadd_ps(p, s, a0);
         }
         let total = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));

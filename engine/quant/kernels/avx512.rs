@@ -33,20 +33,21 @@ pub(crate) static INT_GEMM: IntGemm = IntGemm {
     run: |w, x, out| unsafe { gemm_quant(w, x, out) },
 };
 
-/// Whether this CPU runs [`KERNELS`] (the AVX-VNNI set's other kernels come with it).
+/// Whether this CPU runs [`KERNELS`] (AVX-512 VNNI; AVX-VNNI is not needed: Zen 4 has the
+/// one without the other).
 pub(crate) fn gemv_supported() -> bool {
-    supported() && avx2::vnni_supported()
+    supported() && avx2::supported()
 }
 
 /// The GEMV kernels with INT4 and INT2 rows on 512-bit registers, two blocks per vector (the
-/// activations rearranged by [`super::pair_blocks`]); the other formats as
-/// [`avx2::KERNELS_VNNI`].
+/// activations rearranged by [`super::pair_blocks`]), INT8 rows on the 256-bit EVEX `vpdpbusd`;
+/// the float formats as [`avx2::KERNELS`].
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx512+vnni",
     dot_quant,
-    dot_f16: avx2::KERNELS_VNNI.dot_f16,
-    dot_bf16: avx2::KERNELS_VNNI.dot_bf16,
-    dot_f32: avx2::KERNELS_VNNI.dot_f32,
+    dot_f16: avx2::KERNELS.dot_f16,
+    dot_bf16: avx2::KERNELS.dot_bf16,
+    dot_f32: avx2::KERNELS.dot_f32,
     // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
     quantize_activations: |x, bits, codes, scales| unsafe {
         quantize_activations(x, bits, codes, scales)
@@ -56,10 +57,10 @@ pub(crate) static KERNELS: Kernels = Kernels {
 
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
     match bits {
-        // SAFETY (both): `KERNELS` is only chosen when `gemv_supported()` said yes.
+        // SAFETY (all three): `KERNELS` is only chosen when `gemv_supported()` said yes.
         QuantBits::Int4 => unsafe { dot_paired::<4>(row, cols, x) },
         QuantBits::Int2 => unsafe { dot_paired::<2>(row, cols, x) },
-        QuantBits::Int8 => (avx2::KERNELS_VNNI.dot_quant)(row, bits, cols, x),
+        QuantBits::Int8 => unsafe { avx2::dot_int8_evex_vnni(row, cols, x) },
     }
 }
 
