@@ -140,5 +140,48 @@ fn kernels(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, kernels);
+/// Decode streams its weights from memory: one step's 16 OLMoE expert matrices (8 experts × 2
+/// layers, 3 each), its attention and its LM head are more than a board's or this machine's
+/// last-level cache holds. The groups above repeat one matrix, which a large L3 partly keeps
+/// (even a 52 MB LM head in a 32 MiB L3); here a GEMV takes a different copy of the matrix each
+/// time, from 512 MiB of copies visited in a scattered order, so every byte comes from memory
+/// and every matrix starts cold (no stream under way), as in decoding.
+fn streamed(c: &mut Criterion) {
+    tch::set_num_threads(1);
+    for (name, rows, cols) in [("expert", 1024, 2048), ("lm-head", 50304, 2048)] {
+        let w = weights(rows * cols);
+        for bits in [QuantBits::Int8, QuantBits::Int4, QuantBits::Int2] {
+            let format = MatrixFormat::Quant(bits);
+            let one = PackedMatrix::encode(&w, rows, cols, format).unwrap();
+            let bytes = one.view().stored_bytes();
+            let count = (512usize << 20).div_ceil(bytes).max(2);
+            let copies: Vec<PackedMatrix> = std::iter::once(one)
+                .chain((1..count).map(|_| PackedMatrix::encode(&w, rows, cols, format).unwrap()))
+                .collect();
+            let mut group = c.benchmark_group(format!(
+                "{name} from memory [{rows}x{cols}] {}",
+                format.name()
+            ));
+            group.throughput(Throughput::Bytes(bytes as u64));
+            if name == "lm-head" {
+                group.sample_size(10);
+            }
+            let x = weights(cols);
+            let mut out = vec![0f32; rows];
+            // A prime stride that does not divide the count: every copy once per round, and
+            // never the neighbour of the one before.
+            let stride = if count.is_multiple_of(37) { 1 } else { 37 };
+            let mut next = 0;
+            group.bench_function(BenchmarkId::new("gemv", 1), |b| {
+                b.iter(|| {
+                    next = (next + stride) % count;
+                    matmul(black_box(&x), 1, copies[next].view(), &mut out).unwrap()
+                })
+            });
+            group.finish();
+        }
+    }
+}
+
+criterion_group!(benches, kernels, streamed);
 criterion_main!(benches);

@@ -487,7 +487,14 @@ pub(crate) fn gemv(
     };
     let target: &mut [f32] = if n == 1 { out } else { &mut by_row };
     let task = |first_row: usize, dst: &mut [f32]| {
-        for (i, y) in dst.chunks_exact_mut(n).enumerate() {
+        // One activation row: four weight rows at a time where the kernel set can (the same
+        // results as one by one), the rest one by one.
+        let done = if n == 1 {
+            four_row_dots(k, &w, first_row, &acts, cols, dst)
+        } else {
+            0
+        };
+        for (i, y) in dst.chunks_exact_mut(n).enumerate().skip(done) {
             let r = first_row + i;
             row_dots(k, &w, r, &acts, cols, y);
         }
@@ -513,6 +520,52 @@ pub(crate) fn gemv(
         }
     }
     Ok(())
+}
+
+/// Rows `first_row..` of `w` dotted four at a time with one activation row into `dst` (one
+/// output per row) by the set's [`Kernels::dot_quant4`]; returns how many rows it computed
+/// (none without such a kernel or for a float format).
+fn four_row_dots(
+    k: &Kernels,
+    w: &MatrixRef<'_>,
+    first_row: usize,
+    acts: &Activations<'_>,
+    cols: usize,
+    dst: &mut [f32],
+) -> usize {
+    let (Some(dot4), MatrixFormat::Quant(bits)) = (k.dot_quant4, w.format) else {
+        return 0;
+    };
+    let Activations::Int8 {
+        codes,
+        scales,
+        offsets,
+        pair_scales,
+    } = acts
+    else {
+        return 0;
+    };
+    let x = QuantRow {
+        codes,
+        scales,
+        offset: offsets[0],
+        pair_scales,
+    };
+    let mut done = 0;
+    for (i, ys) in dst.chunks_exact_mut(4).enumerate() {
+        let r = first_row + 4 * i;
+        let dots = dot4(
+            [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)],
+            bits,
+            cols,
+            &x,
+        );
+        for (j, (y, dot)) in ys.iter_mut().zip(dots).enumerate() {
+            *y = w.scales[r + j] * dot;
+        }
+        done += 4;
+    }
+    done
 }
 
 /// Row `r` of `w` dotted with each of the `y.len()` activation rows.
@@ -926,6 +979,37 @@ mod tests {
                             k.name,
                             bits.name()
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row's product does not depend on how many activation rows come with it (a beam of
+    /// one or several): one activation row takes the four-row kernels where the set has them,
+    /// several take them row by row, and both give the same bits in every kernel set.
+    #[test]
+    fn one_activation_row_gives_each_beams_bits() {
+        let mut rng = Rng(12);
+        for bits in QuantBits::ALL {
+            for cols in [32, 64, 96, 100, 2080, 4096] {
+                let rows = 9;
+                let data = rng.bytes(rows * bits.row_bytes(cols));
+                let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
+                let w =
+                    MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales).unwrap();
+                let x: Vec<f32> = (0..cols).map(|_| rng.uniform() * 3.0).collect();
+                let twice: Vec<f32> = x.iter().chain(&x).copied().collect();
+                for k in kernels::available() {
+                    let (mut one, mut two) = (vec![0f32; rows], vec![0f32; 2 * rows]);
+                    gemv(&x, 1, w, &mut one, k).unwrap();
+                    gemv(&twice, 2, w, &mut two, k).unwrap();
+                    for (beam, got) in two.chunks_exact(rows).enumerate() {
+                        let same = got
+                            .iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{} {} cols={cols} beam {beam}", k.name, bits.name());
                     }
                 }
             }

@@ -102,6 +102,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
+    dot_quant4: None,
 };
 
 /// Whether this CPU runs [`KERNELS_VNNI`] (AVX-VNNI on 256-bit registers: Alder Lake, Sapphire
@@ -120,6 +121,7 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
+    dot_quant4: None,
 };
 
 #[target_feature(enable = "avx2,fma")]

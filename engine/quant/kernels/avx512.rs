@@ -53,6 +53,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
         quantize_activations(x, bits, codes, scales)
     },
     paired: true,
+    dot_quant4: Some(dot_quant4),
 };
 
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {
@@ -63,6 +64,12 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 
         QuantBits::Int8 => unsafe { avx2::dot_int8_evex_vnni(row, cols, x) },
     }
 }
+
+/// How many rows past the last of a group of rows [`dot_paired_rows`] starts prefetching:
+/// the group after the next one (`benches/matmul.rs` "from memory", Zen 4: 1 row gave the INT4
+/// LM head 14.9 GiB/s, 2 rows 16.0, 4 rows 16.2, 8 and 16 rows less again; the experts' 1 MiB
+/// matrices did best at 2).
+const LEAD: usize = 2;
 
 const LOW4: i64 = 0x0f0f_0f0f_0f0f_0f0f;
 const HIGH4: i64 = 0xf0f0_f0f0_f0f0_f0f0_u64 as i64;
@@ -76,21 +83,40 @@ const ZP_HIGH4: i64 = 0x8080_8080_8080_8080_u64 as i64;
 /// the 64 products, and one FMA applies the pair's 16 activation scales, which
 /// [`super::pair_blocks`] divided by each field's place value (exact: powers of two; the i32
 /// sums stay below 2^24, so converting them to f32 is exact too). Four vector instructions per
-/// 64 codes besides the loads, two of them on the one port that runs `vpdpbusd` and the
-/// conversion; nothing moves across lanes.
+/// 64 codes besides the loads; nothing moves across lanes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn dot_paired<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
-    let bits = if BITS == 4 {
-        QuantBits::Int4
-    } else {
-        QuantBits::Int2
-    };
+    dot_paired_rows::<BITS, 1>([row], cols, x)[0]
+}
+
+/// [`Kernels::dot_quant4`]: INT4/INT2 rows four at a time, each as [`dot_paired`] computes it;
+/// INT8 rows one by one.
+fn dot_quant4(rows: [&[u8]; 4], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> [f32; 4] {
+    match bits {
+        // SAFETY (all three): `KERNELS` is only chosen when `gemv_supported()` said yes.
+        QuantBits::Int4 => unsafe { dot_paired_rows::<4, 4>(rows, cols, x) },
+        QuantBits::Int2 => unsafe { dot_paired_rows::<2, 4>(rows, cols, x) },
+        QuantBits::Int8 => rows.map(|row| unsafe { avx2::dot_int8_evex_vnni(row, cols, x) }),
+    }
+}
+
+/// [`dot_paired`] for `R` rows against one activation row: each pair's activation codes and
+/// scales are loaded once for all `R` rows (per row and pair, one load of weights instead of
+/// three loads), and each row is summed in exactly [`dot_paired`]'s order, so a row's result
+/// does not depend on how many rows were computed with it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn dot_paired_rows<const BITS: usize, const R: usize>(
+    rows: [&[u8]; R],
+    cols: usize,
+    x: &QuantRow<'_>,
+) -> [f32; R] {
     let full = cols / BLOCK;
     let pairs = full / 2;
     let block_bytes = BLOCK * BITS / 8;
-    assert!(row.len() >= full * block_bytes && x.codes.len() >= full * BLOCK);
+    assert!(rows.iter().all(|row| row.len() >= full * block_bytes));
+    assert!(x.codes.len() >= full * BLOCK);
     assert!(x.scales.len() >= full && x.pair_scales.len() >= pairs * 16);
-    let w = row.as_ptr();
+    let w = rows.map(|row| row.as_ptr());
     // Per 64-bit lane, the field it keeps and that field's zero point, in place: INT4 128-bit
     // lanes hold (low a, low b, high a, high b) nibbles; INT2 64-bit lanes (field 0 of a, of b,
     // field 1 of a, …).
@@ -109,58 +135,79 @@ fn dot_paired<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f
             per_field(|k| 0x0202_0202_0202_0202 << (2 * k)),
         )
     };
-    // Pair `p`'s 16 partial sums times their scales, added to `acc`.
-    let step = |p: usize, acc: __m512| {
-        // SAFETY: pair `p` (blocks 2p, 2p + 1) lies inside `row`, `x.codes` and
+    // Pair `p` of every row: its 16 partial sums times their scales, added to `acc[r][j]`.
+    let step = |p: usize, j: usize, acc: &mut [[__m512; 4]; R]| {
+        // SAFETY: pair `p` (blocks 2p, 2p + 1) lies inside every row, `x.codes` and
         // `x.pair_scales` (lengths asserted above).
         unsafe {
-            let v = if BITS == 4 {
-                _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(p * 32).cast()))
-            } else {
-                _mm512_broadcast_i32x4(_mm_loadu_si128(w.add(p * 16).cast()))
-            };
-            // (v & mask) ^ z: each lane's two's-complement field plus z, in place.
-            let unsigned = _mm512_ternarylogic_epi64::<0x6a>(v, field_mask, zero_point);
             let xv = _mm512_loadu_si512(x.codes.as_ptr().add(p * 2 * BLOCK).cast());
-            let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned, xv);
             let scales = _mm512_loadu_ps(x.pair_scales.as_ptr().add(p * 16));
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scales, acc)
+            for (w, acc) in w.iter().zip(acc.iter_mut()) {
+                let v = if BITS == 4 {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(p * 32).cast()))
+                } else {
+                    _mm512_broadcast_i32x4(_mm_loadu_si128(w.add(p * 16).cast()))
+                };
+                // (v & mask) ^ z: each lane's two's-complement field plus z, in place.
+                let unsigned = _mm512_ternarylogic_epi64::<0x6a>(v, field_mask, zero_point);
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned, xv);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scales, acc[j]);
+            }
         }
     };
-    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let quads = pairs / 4;
     for q in 0..quads {
         let p = q * 4;
-        // The next rows of a large matrix are far from the caches: ask for them early.
-        let ahead = w.wrapping_add(p * 2 * block_bytes + avx2::PREFETCH_AHEAD);
-        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-        if BITS == 4 {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+        // The next rows of a large matrix are far from the caches: ask for them early. One
+        // row: 2 KiB ahead of where it is read. Several (consecutive in the matrix): the bytes
+        // from `LEAD` rows after the last of them on, in address order, as fast as the rows
+        // are read together (four streams a row apart each would not keep the memory busy:
+        // the INT4 LM head ran at 8.7 GiB/s that way, 21.6 in cache this way).
+        if R == 1 {
+            let ahead = w[0].wrapping_add(p * 2 * block_bytes + avx2::PREFETCH_AHEAD);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            if BITS == 4 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+            }
+        } else {
+            let quad_bytes = 4 * 2 * block_bytes;
+            let next = w[R - 1].wrapping_add(LEAD * rows[R - 1].len() + q * R * quad_bytes);
+            for line in (0..R * quad_bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
+            }
         }
-        acc[0] = step(p, acc[0]);
-        acc[1] = step(p + 1, acc[1]);
-        acc[2] = step(p + 2, acc[2]);
-        acc[3] = step(p + 3, acc[3]);
+        for j in 0..4 {
+            step(p + j, j, &mut acc);
+        }
     }
     for p in quads * 4..pairs {
-        acc[0] = step(p, acc[0]);
+        step(p, 0, &mut acc);
     }
-    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    let mut sum = _mm512_reduce_add_ps(sum) - x.offset;
-    // A last odd whole block, unpaired: its offset share is in `x.offset`, so it is summed
-    // signed plus the zero point, as the pairs are.
-    if full % 2 == 1 {
-        let b = full - 1;
-        let block = &x.codes[b * BLOCK..(b + 1) * BLOCK];
-        let z = super::zero_point(bits);
-        let plus_zero: i32 = block.iter().map(|&c| z * i32::from(c)).sum();
-        let signed = scalar::block_sum(row, bits, cols, b, x.codes);
-        sum += x.scales[b] * (signed + plus_zero) as f32;
-    }
-    if full * BLOCK < cols {
-        sum += x.scales[full] * scalar::block_sum(row, bits, cols, full, x.codes) as f32;
-    }
-    sum
+    let bits = if BITS == 4 {
+        QuantBits::Int4
+    } else {
+        QuantBits::Int2
+    };
+    std::array::from_fn(|r| {
+        let [a0, a1, a2, a3] = acc[r];
+        let sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        let mut sum = _mm512_reduce_add_ps(sum) - x.offset;
+        // A last odd whole block, unpaired: its offset share is in `x.offset`, so it is summed
+        // signed plus the zero point, as the pairs are.
+        if full % 2 == 1 {
+            let b = full - 1;
+            let block = &x.codes[b * BLOCK..(b + 1) * BLOCK];
+            let z = super::zero_point(bits);
+            let plus_zero: i32 = block.iter().map(|&c| z * i32::from(c)).sum();
+            let signed = scalar::block_sum(rows[r], bits, cols, b, x.codes);
+            sum += x.scales[b] * (signed + plus_zero) as f32;
+        }
+        if full * BLOCK < cols {
+            sum += x.scales[full] * scalar::block_sum(rows[r], bits, cols, full, x.codes) as f32;
+        }
+        sum
+    })
 }
 
 /// The reference activation preparation of [`super::gemm`], 32 values at a time: each block

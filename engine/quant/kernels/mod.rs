@@ -124,6 +124,9 @@ pub(crate) fn zero_point(bits: QuantBits) -> i32 {
 
 /// `Σ_b x_scale[b] × Σ_{i∈b} w[i] · x_q[i]` over a packed integer row of `cols` values.
 pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &QuantRow<'_>) -> f32;
+/// [`DotQuant`] for four rows of one matrix at once (sharing the activations' loads), each
+/// result bit for bit the one [`DotQuant`] of the same set gives that row.
+pub(crate) type DotQuant4 = fn([&[u8]; 4], QuantBits, usize, &QuantRow<'_>) -> [f32; 4];
 /// `Σ_i w[i] · x[i]` over a stored float row (16-bit, or f32 for [`Kernels::dot_f32`]).
 pub(crate) type DotFloat = fn(&[u8], &[f32]) -> f32;
 
@@ -142,6 +145,8 @@ pub(crate) struct Kernels {
     pub quantize_activations: QuantizeActivations,
     /// Whether `dot_quant` takes INT4/INT2 activations rearranged by [`pair_blocks`].
     pub paired: bool,
+    /// Four rows at once, where the set has such a kernel.
+    pub dot_quant4: Option<DotQuant4>,
 }
 
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -152,6 +157,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dot_f32: scalar::dot_f32,
     quantize_activations: scalar::quantize_activations,
     paired: false,
+    dot_quant4: None,
 };
 
 /// Every kernel set this CPU can run, the scalar reference first.

@@ -111,6 +111,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
+    dot_quant4: None,
 };
 
 pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
@@ -122,6 +123,7 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
+    dot_quant4: None,
 };
 
 #[target_feature(enable = "neon")]
