@@ -351,6 +351,33 @@ impl<'x> Activations<'x> {
     }
 
     /// Length of one row's [`kernels::QuantRow::pair_scales`].
+    /// Activation row `i` rounded for `bits` weights (`None` for float activations).
+    fn quant_row(
+        &self,
+        k: &Kernels,
+        bits: QuantBits,
+        cols: usize,
+        i: usize,
+    ) -> Option<QuantRow<'_>> {
+        let Activations::Int8 {
+            codes,
+            scales,
+            offsets,
+            pair_scales,
+        } = self
+        else {
+            return None;
+        };
+        let blocks = cols.div_ceil(BLOCK);
+        let pairs = Activations::pair_scales_per_row(k, bits, cols);
+        Some(QuantRow {
+            codes: &codes[i * blocks * BLOCK..(i + 1) * blocks * BLOCK],
+            scales: &scales[i * blocks..(i + 1) * blocks],
+            offset: offsets[i],
+            pair_scales: &pair_scales[i * pairs..(i + 1) * pairs],
+        })
+    }
+
     fn pair_scales_per_row(k: &Kernels, bits: QuantBits, cols: usize) -> usize {
         if k.paired && kernels::pair_unit(bits).is_some() {
             cols / BLOCK / 2 * 16
@@ -536,20 +563,8 @@ fn four_row_dots(
     let (Some(dot4), MatrixFormat::Quant(bits)) = (k.dot_quant4, w.format) else {
         return 0;
     };
-    let Activations::Int8 {
-        codes,
-        scales,
-        offsets,
-        pair_scales,
-    } = acts
-    else {
+    let Some(x) = acts.quant_row(k, bits, cols, 0) else {
         return 0;
-    };
-    let x = QuantRow {
-        codes,
-        scales,
-        offset: offsets[0],
-        pair_scales,
     };
     let mut done = 0;
     for (i, ys) in dst.chunks_exact_mut(4).enumerate() {
@@ -580,25 +595,12 @@ fn row_dots(
 ) {
     let row = w.row(r);
     match (w.format, acts) {
-        (
-            MatrixFormat::Quant(bits),
-            Activations::Int8 {
-                codes,
-                scales,
-                offsets,
-                pair_scales,
-            },
-        ) => {
-            let blocks = cols.div_ceil(BLOCK);
-            let pairs = Activations::pair_scales_per_row(k, bits, cols);
+        (MatrixFormat::Quant(bits), Activations::Int8 { .. }) => {
             let scale = w.scales[r];
             for (i, y) in y.iter_mut().enumerate() {
-                let x = QuantRow {
-                    codes: &codes[i * blocks * BLOCK..(i + 1) * blocks * BLOCK],
-                    scales: &scales[i * blocks..(i + 1) * blocks],
-                    offset: offsets[i],
-                    pair_scales: &pair_scales[i * pairs..(i + 1) * pairs],
-                };
+                let x = acts
+                    .quant_row(k, bits, cols, i)
+                    .expect("integer activations");
                 *y = scale * (k.dot_quant)(row, bits, cols, &x);
             }
         }
