@@ -17,9 +17,9 @@
 //! candidates: a chosen one would have saved a read, times the share of a read that
 //! speculation on this layer actually saved; an unchosen one would have cost its device
 //! share; either, a read for each costly eviction per read the layer has seen); it resumes
-//! once that mean rises above a margin. Both switches need a minimum
-//! number of candidates since the last one (hysteresis), except that a layer more than a whole
-//! read behind stops at once.
+//! once that mean rises above a margin. Both switches need a minimum number of candidates
+//! since the last one (hysteresis), except that a layer more than a whole read behind stops
+//! at once.
 //!
 //! Within a layer that speculates, each prediction is read only if its expected saving beats
 //! its expected cost ([`Speculation::worth_reading`]): its probability times the share of a
