@@ -350,7 +350,6 @@ impl<'x> Activations<'x> {
         }
     }
 
-    /// Length of one row's [`kernels::QuantRow::pair_scales`].
     /// Activation row `i` rounded for `bits` weights (`None` for float activations).
     fn quant_row(
         &self,
@@ -378,6 +377,7 @@ impl<'x> Activations<'x> {
         })
     }
 
+    /// Length of one row's [`kernels::QuantRow::pair_scales`].
     fn pair_scales_per_row(k: &Kernels, bits: QuantBits, cols: usize) -> usize {
         if k.paired && kernels::pair_unit(bits).is_some() {
             cols / BLOCK / 2 * 16
@@ -566,7 +566,6 @@ fn four_row_dots(
     let Some(x) = acts.quant_row(k, bits, cols, 0) else {
         return 0;
     };
-    let mut done = 0;
     for (i, ys) in dst.chunks_exact_mut(4).enumerate() {
         let r = first_row + 4 * i;
         let dots = dot4(
@@ -578,9 +577,8 @@ fn four_row_dots(
         for (j, (y, dot)) in ys.iter_mut().zip(dots).enumerate() {
             *y = w.scales[r + j] * dot;
         }
-        done += 4;
     }
-    done
+    dst.len() / 4 * 4
 }
 
 /// Row `r` of `w` dotted with each of the `y.len()` activation rows.
