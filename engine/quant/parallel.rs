@@ -52,9 +52,9 @@ pub fn compute_threads() -> usize {
 /// Runs `task(0) .. task(tasks - 1)`, spread over the compute threads (each task on one thread;
 /// which thread is not fixed). A panic in a task reaches the caller.
 ///
-/// The calling thread takes tasks too, from one shared counter with the helpers: it starts at
-/// once, and a helper that wakes late finds fewer (or no) tasks left instead of holding the
-/// product up. One product runs on the pool at a time: a call made while another thread's
+/// The calling thread takes tasks too: it starts at once on the first run of consecutive tasks
+/// (one run per compute thread, see `Job`), and a helper that wakes late finds fewer (or no)
+/// tasks left instead of holding the product up. One product runs on the pool at a time: a call made while another thread's
 /// product holds it, or from inside a task, runs its tasks on its own thread. (The caller waits
 /// for every helper inside the pool, so a long stream of products from a second thread can hold
 /// a first one back; the engine makes its products from one thread.)
@@ -65,27 +65,61 @@ pub fn for_each_task(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     }
 }
 
-/// One product: its tasks, the counter every thread takes them from, and the first panic.
+/// One product: its tasks, split into one run of consecutive tasks per compute thread, and the
+/// first panic.
+///
+/// Each thread starts on its own run and takes its tasks in order from the run's counter, so it
+/// streams through one contiguous range of the product (a matrix's rows): the hardware
+/// prefetcher keeps one stream going instead of restarting at every task, which is what two
+/// threads taking tasks alternately from one counter did (an expert-sized GEMV was no faster on
+/// two threads than on one). A thread whose run is done takes what is left of the others', so a
+/// helper that wakes late only means the caller does more.
 struct Job<'a> {
     task: &'a (dyn Fn(usize) + Sync),
     tasks: usize,
-    next: AtomicUsize,
+    /// Per run: the next task to take (runs are `tasks × r / runs ..`).
+    next: Box<[AtomicUsize]>,
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 impl Job<'_> {
-    /// Takes and runs tasks until none is left; a panic is kept for the caller and ends the
-    /// product (the remaining tasks are skipped).
-    fn drain(&self) {
-        let run = || loop {
-            let t = self.next.fetch_add(1, SeqCst);
-            if t >= self.tasks {
-                break;
+    fn new(task: &(dyn Fn(usize) + Sync), tasks: usize, runs: usize) -> Job<'_> {
+        let runs = runs.clamp(1, tasks.max(1));
+        Job {
+            task,
+            tasks,
+            next: (0..runs)
+                .map(|r| AtomicUsize::new(tasks * r / runs))
+                .collect(),
+            panic: Mutex::new(None),
+        }
+    }
+
+    /// The tasks of run `r` end before this one.
+    fn end_of(&self, r: usize) -> usize {
+        self.tasks * (r + 1) / self.next.len()
+    }
+
+    /// Takes and runs tasks until none is left, run `first` first and then the others in turn;
+    /// a panic is kept for the caller and ends the product (the remaining tasks are skipped).
+    fn drain(&self, first: usize) {
+        let runs = self.next.len();
+        let run = || {
+            for r in (0..runs).map(|i| (first + i) % runs) {
+                let end = self.end_of(r);
+                loop {
+                    let t = self.next[r].fetch_add(1, SeqCst);
+                    if t >= end {
+                        break;
+                    }
+                    (self.task)(t);
+                }
             }
-            (self.task)(t);
         };
         if let Err(panic) = catch_unwind(AssertUnwindSafe(run)) {
-            self.next.store(self.tasks, SeqCst);
+            for (r, next) in self.next.iter().enumerate() {
+                next.store(self.end_of(r), SeqCst);
+            }
             self.panic
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -135,7 +169,7 @@ impl Pool {
             let shared = Arc::clone(&shared);
             let spawned = std::thread::Builder::new()
                 .name(format!("edgemoe-compute-{i}"))
-                .spawn(move || helper(&shared));
+                .spawn(move || helper(&shared, i + 1));
             if spawned.is_err() {
                 break;
             }
@@ -151,12 +185,7 @@ impl Pool {
             (0..tasks).for_each(task);
             return;
         }
-        let job = Job {
-            task,
-            tasks,
-            next: AtomicUsize::new(0),
-            panic: Mutex::new(None),
-        };
+        let job = Job::new(task, tasks, self.helpers + 1);
         let shared = &*self.shared;
         // SAFETY (of erasing the lifetime): `current` is cleared, and every helper that could
         // have loaded it has left (`inside` == 0), before this function returns or unwinds.
@@ -174,7 +203,7 @@ impl Pool {
             let _guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
             shared.wake.notify_all();
         }
-        job.drain();
+        job.drain(0);
         shared.current.store(std::ptr::null_mut(), SeqCst);
         let mut polls = 0u32;
         while shared.inside.load(SeqCst) != 0 {
@@ -191,8 +220,9 @@ impl Pool {
     }
 }
 
-/// A helper's life: wait for a product (spinning, then sleeping), take tasks, repeat.
-fn helper(shared: &Shared) {
+/// A helper's life: wait for a product (spinning, then sleeping), take tasks (its own run of
+/// each product first: run `index`; the caller's is run 0), repeat.
+fn helper(shared: &Shared, index: usize) {
     // libtorch's thread count (OpenMP's, which its BLAS follows: the aarch64 package's
     // OpenBLAS, x86_64's MKL) is per thread: set on the main thread only, a GEMM tile run here
     // would start a BLAS team of one thread per core, on top of these threads.
@@ -205,7 +235,7 @@ fn helper(shared: &Shared) {
         let job = shared.current.load(SeqCst);
         if !job.is_null() {
             // SAFETY: see `Shared`: the caller keeps the job alive while `inside` > 0.
-            unsafe { &*job }.drain();
+            unsafe { &*job }.drain(index);
         }
         shared.inside.fetch_sub(1, SeqCst);
     }
@@ -336,6 +366,33 @@ mod tests {
             }
         }
         assert!(helper_ran);
+    }
+
+    /// A thread takes its own run of consecutive tasks first, in order, then what is left of
+    /// the other runs, each from where it stands: so each thread streams through one contiguous
+    /// range of a matrix's rows.
+    #[test]
+    fn a_thread_takes_its_own_run_in_order_and_then_what_is_left() {
+        let order = Mutex::new(Vec::new());
+        let task = |t: usize| order.lock().unwrap().push(t);
+        let job = Job::new(&task, 10, 2);
+        job.drain(1);
+        assert_eq!(*order.lock().unwrap(), [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]);
+
+        // Three runs of 11 tasks (3, 4 and 4); run 0 has been half taken by another thread.
+        order.lock().unwrap().clear();
+        let job = Job::new(&task, 11, 3);
+        job.next[0].store(2, SeqCst);
+        job.drain(2);
+        assert_eq!(
+            *order.lock().unwrap(),
+            [7, 8, 9, 10, 2, 3, 4, 5, 6],
+            "run 2, then run 0 from task 2, then run 1"
+        );
+        // More runs than tasks: one task per run.
+        order.lock().unwrap().clear();
+        Job::new(&task, 2, 4).drain(1);
+        assert_eq!(*order.lock().unwrap(), [1, 0]);
     }
 
     #[test]
