@@ -12,7 +12,7 @@
 //! - L0, leaves: [`error`] (the one error type), [`ids`] (`Stack`, `ExpertId`), [`units`]
 //!   (`1.5GiB` ↔ bytes), [`io`] (JSON files, page-cache dropping), [`atomic`] (writes that
 //!   replace a file or a directory whole, or not at all), [`interrupt`] (temporary files removed
-//!   when a run is interrupted).
+//!   when a run is interrupted), [`memory`] (buffers on huge pages for the weights a step streams).
 //! - L1, facts and formats: [`config`] (HF configs → validated `ModelSpec`, generation defaults,
 //!   bundle config, device profiles), [`weights`] (safetensors, the one memory-mapping site),
 //!   [`quant`] (INT8/4/2 and their kernels), [`store`] (the expert store's bytes), [`cache`]
@@ -36,6 +36,7 @@ pub mod error;
 pub mod ids;
 pub mod interrupt;
 pub mod io;
+pub mod memory;
 pub mod units;
 
 pub mod cache;

@@ -411,7 +411,7 @@ impl<'a> TensorLoader<'a> {
                     }
                     _ => Vec::new(),
                 };
-                let m = PackedMatrix::new(format, rows, cols, raw.data.to_vec(), scales)
+                let m = PackedMatrix::new(format, rows, cols, raw.data, scales)
                     .map_err(|e| Error::tensor(raw.path, name, e.to_string()))?;
                 Stored::Matrix(m)
             }

@@ -21,7 +21,18 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first. The binary (L6) is `engine/main.rs` and `engine/cli/**`.
 const LAYERS: &[(usize, &[&str])] = &[
-    (0, &["error", "ids", "units", "io", "atomic", "interrupt"]),
+    (
+        0,
+        &[
+            "error",
+            "ids",
+            "units",
+            "io",
+            "atomic",
+            "interrupt",
+            "memory",
+        ],
+    ),
     (
         1,
         &[

@@ -33,6 +33,7 @@ use super::kernels::{self, Kernels, QuantRow, BLOCK};
 use super::parallel;
 use super::{dequantize_into, QuantBits};
 use crate::error::{Error, Result};
+use crate::memory::PageBytes;
 
 /// Activation rows from which the GEMM path (tile dequantization + libtorch GEMM) is taken.
 /// Below it, the GEMV kernels (measured in BENCHMARKS.md §9).
@@ -201,13 +202,32 @@ impl<'a> MatrixRef<'a> {
         Ok(())
     }
 
+    /// An owned copy of the stored bytes, written into `data` (of exactly their length).
+    pub fn to_owned_in(&self, mut data: PageBytes) -> Result<PackedMatrix> {
+        if data.len() != self.data.len() {
+            return Err(Error::Internal(format!(
+                "a {}-byte matrix copied into {} bytes",
+                self.data.len(),
+                data.len()
+            )));
+        }
+        data.as_mut_slice().copy_from_slice(self.data);
+        PackedMatrix::new_in(
+            self.format,
+            self.rows,
+            self.cols,
+            data,
+            self.scales.to_vec(),
+        )
+    }
+
     /// An owned copy of the stored bytes.
     pub fn to_owned(&self) -> Result<PackedMatrix> {
         PackedMatrix::new(
             self.format,
             self.rows,
             self.cols,
-            self.data.to_vec(),
+            self.data,
             self.scales.to_vec(),
         )
     }
@@ -220,22 +240,35 @@ impl<'a> MatrixRef<'a> {
     }
 }
 
-/// A matrix that owns its stored bytes (resident weights, requantized experts).
+/// A matrix that owns its stored bytes (resident weights, requantized experts), on huge pages
+/// where it is large enough ([`crate::memory`]: the LM head streams faster from them).
 #[derive(Debug)]
 pub struct PackedMatrix {
     format: MatrixFormat,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    data: PageBytes,
     scales: Vec<f32>,
 }
 
 impl PackedMatrix {
+    /// A matrix holding a copy of `data`.
     pub fn new(
         format: MatrixFormat,
         rows: usize,
         cols: usize,
-        data: Vec<u8>,
+        data: &[u8],
+        scales: Vec<f32>,
+    ) -> Result<Self> {
+        Self::new_in(format, rows, cols, PageBytes::copy_of(data), scales)
+    }
+
+    /// A matrix whose stored bytes are `data` (already written).
+    pub fn new_in(
+        format: MatrixFormat,
+        rows: usize,
+        cols: usize,
+        data: PageBytes,
         scales: Vec<f32>,
     ) -> Result<Self> {
         MatrixRef::new(format, rows, cols, &data, &scales)?;
@@ -272,7 +305,7 @@ impl PackedMatrix {
                 vec![],
             ),
         };
-        Self::new(format, rows, cols, data, scales)
+        Self::new(format, rows, cols, &data, scales)
     }
 
     pub fn view(&self) -> MatrixRef<'_> {

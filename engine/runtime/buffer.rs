@@ -167,8 +167,9 @@ impl ExpertBuffer {
         }
         let slots = options.slots.max(1);
         let slot_bytes = store.max_padded_expert_bytes() as usize;
-        let memory = (0..slots)
-            .map(|_| Some(AlignedBuf::new(slot_bytes)))
+        let memory = AlignedBuf::many(slots, slot_bytes)
+            .into_iter()
+            .map(Some)
             .collect();
         let layers = spec.layer_map();
         let seeds = seeds(&layers, spec.num_experts(), dictionary.as_deref());

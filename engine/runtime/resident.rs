@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
+use crate::memory::PageBytes;
 use crate::model::layers::Weight;
 use crate::model::provider::{ExpertProvider, ExpertWeights};
 use crate::quant::matrix::PackedMatrix;
@@ -34,6 +35,15 @@ impl ResidentExperts {
         let mut stored = HashMap::new();
         let mut slot = AlignedBuf::new(store.max_padded_expert_bytes() as usize);
         let mut names = HashMap::new();
+        // Every expert's matrices, at its stored width, in one buffer (on huge pages: the
+        // kernels stream them faster from there, see `crate::memory`).
+        let lens: Vec<usize> = store
+            .index()
+            .experts
+            .iter()
+            .flat_map(|e| e.matrices.iter().map(|m| m.bytes as usize))
+            .collect();
+        let mut parts = PageBytes::split_zeroed(&lens, 64).into_iter();
         for entry in &store.index().experts {
             store.read_expert(entry.id, slot.as_mut_slice())?;
             let views = stored_matrices(entry, slot.as_slice())?;
@@ -52,7 +62,10 @@ impl ResidentExperts {
             }
             let owned = views
                 .iter()
-                .map(|m| m.to_owned())
+                .map(|m| {
+                    let part = parts.next().expect("one part per stored matrix");
+                    m.to_owned_in(part)
+                })
                 .collect::<Result<Vec<_>>>()?;
             variants.insert((entry.id, entry.encoding), owned);
             stored.insert(entry.id, entry.encoding);

@@ -1,45 +1,36 @@
 //! A zeroed, page-aligned byte buffer: the memory of an expert slot, and what `O_DIRECT` reads
-//! need.
-
-use std::alloc::{self, Layout};
+//! need. Slots are on huge pages where they can be ([`crate::memory`]): the kernels stream a
+//! slot's expert once per use.
 
 use super::format::BLOB_ALIGN;
+use crate::memory::PageBytes;
 
 /// A zeroed, page-aligned byte buffer (the alignment `O_DIRECT` reads need).
 pub struct AlignedBuf {
-    ptr: *mut u8,
-    layout: Layout,
+    bytes: PageBytes,
 }
-
-// SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
-unsafe impl Send for AlignedBuf {}
 
 impl AlignedBuf {
     pub fn new(len: usize) -> Self {
-        let layout = Layout::from_size_align(len.max(1), BLOB_ALIGN as usize)
-            .expect("slot size fits the address space");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            alloc::handle_alloc_error(layout);
+        AlignedBuf {
+            bytes: PageBytes::zeroed(len.max(1), BLOB_ALIGN as usize),
         }
-        AlignedBuf { ptr, layout }
+    }
+
+    /// `count` buffers of `len` bytes carved from one allocation (an expert buffer's slots), so
+    /// that they sit on huge pages even when one slot is smaller than a huge page.
+    pub fn many(count: usize, len: usize) -> Vec<Self> {
+        PageBytes::split_zeroed(&vec![len.max(1); count], BLOB_ALIGN as usize)
+            .into_iter()
+            .map(|bytes| AlignedBuf { bytes })
+            .collect()
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for layout.size() initialised (zeroed) bytes while self lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.layout.size()) }
+        self.bytes.as_slice()
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self guarantees exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this exact layout.
-        unsafe { alloc::dealloc(self.ptr, self.layout) }
+        self.bytes.as_mut_slice()
     }
 }
