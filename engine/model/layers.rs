@@ -80,6 +80,16 @@ impl Weight<'_> {
         }
     }
 
+    /// The matrix as the engine's kernels take it, when they can compute on it where it lives
+    /// (a stored matrix, or a contiguous f32 CPU tensor); `None` for a tensor elsewhere.
+    pub fn cpu_matrix(&self) -> Result<Option<MatrixRef<'_>>> {
+        match (self, self.stored()) {
+            (_, Some(m)) => Ok(Some(m)),
+            (Weight::Tensor(t), None) => f32_cpu_matrix(t),
+            _ => unreachable!("every non-tensor weight has a stored matrix"),
+        }
+    }
+
     /// Rows `ids` (any shape) as f32: `[..ids, cols]` (`nn.Embedding`).
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let Some(m) = self.stored() else {

@@ -21,6 +21,7 @@ use crate::error::Result;
 use crate::ids::ExpertId;
 use crate::ids::Stack;
 use crate::model::provider::{ExpertProvider, ExpertWeights};
+use crate::quant::matrix::{matmul, MatrixRef};
 
 /// A block's router: `[num_experts, d_model]` (+ optional bias).
 pub struct Router {
@@ -71,6 +72,42 @@ impl LayerRoute {
     pub fn token_experts(&self, t: usize) -> &[u16] {
         &self.experts[t * self.k..(t + 1) * self.k]
     }
+}
+
+/// One expert's FFN on one token `x` `[d]` on the CPU, by the engine's kernels and plain loops
+/// (no tensor ops: a decode step runs 8 experts × 2 layers of these, and the dozen libtorch ops
+/// per expert of [`expert_forward`] cost more than the arithmetic). The same math as
+/// [`expert_forward`]: ReLU exactly, SiLU as `x / (1 + exp(−x))` (libtorch's formula; its
+/// vectorised `exp` may round the last bit differently). `None` when a matrix is not on the CPU.
+fn expert_forward_token(x: &[f32], w: &ExpertWeights) -> Result<Option<Vec<f32>>> {
+    let product = |m: MatrixRef<'_>, x: &[f32]| -> Result<Vec<f32>> {
+        let mut y = vec![0f32; m.rows()];
+        matmul(x, 1, m, &mut y)?;
+        Ok(y)
+    };
+    Ok(Some(match w {
+        ExpertWeights::Relu { wi, wo } => {
+            let (Some(wi), Some(wo)) = (wi.cpu_matrix()?, wo.cpu_matrix()?) else {
+                return Ok(None);
+            };
+            let mut hidden = product(wi, x)?;
+            hidden.iter_mut().for_each(|h| *h = h.max(0.0));
+            product(wo, &hidden)?
+        }
+        ExpertWeights::SwiGlu { gate, up, down } => {
+            let (Some(gate), Some(up), Some(down)) =
+                (gate.cpu_matrix()?, up.cpu_matrix()?, down.cpu_matrix()?)
+            else {
+                return Ok(None);
+            };
+            let mut hidden = product(gate, x)?;
+            let up = product(up, x)?;
+            for (h, u) in hidden.iter_mut().zip(up) {
+                *h = *h / (1.0 + (-*h).exp()) * u;
+            }
+            product(down, &hidden)?
+        }
+    }))
 }
 
 /// One expert's FFN on `x` `[t, d]`.
@@ -177,6 +214,34 @@ pub fn moe_ffn(
     let used: Vec<usize> = (0..num_experts)
         .filter(|&e| !tokens_of[e].is_empty())
         .collect();
+    // One token on the CPU (a decode step): the experts' outputs summed in plain loops, in the
+    // order and roundings of the `index_add_` below (each output scaled, then added to zeros).
+    if t_count == 1 && x.device() == tch::Device::Cpu {
+        let token = Vec::<f32>::try_from(&tokens.f_to_kind(Kind::Float)?.f_reshape([-1])?)?;
+        let scales = Vec::<f32>::try_from(&weights.f_to_kind(Kind::Float)?)?;
+        let mut out = vec![0f32; token.len()];
+        for (i, &expert) in used.iter().enumerate() {
+            let next = used.get(i + 1).map(|&e| expert_id(e));
+            let w = provider.expert(expert_id(expert), next)?;
+            let y = match expert_forward_token(&token, &w)? {
+                Some(y) => y,
+                // A matrix the kernels cannot take where it is: libtorch computes this one.
+                None => Vec::<f32>::try_from(&expert_forward(&tokens, &w)?.f_reshape([-1])?)?,
+            };
+            let scale = scales[slots_of[expert][0] as usize];
+            for (o, y) in out.iter_mut().zip(y) {
+                *o += y * scale;
+            }
+        }
+        routes.push(LayerRoute {
+            stack,
+            layer,
+            k,
+            experts: chosen_experts,
+            dropped,
+        });
+        return Ok(Tensor::f_from_slice(&out)?.f_reshape([b, n, d])?);
+    }
     let mut out = tokens.f_zeros_like()?;
     for (i, &expert) in used.iter().enumerate() {
         let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
