@@ -227,6 +227,26 @@ fn check_decoder(name: &str, bundle: &Bundle) {
                 feed = vec![case.greedy[step]];
             }
         }
+        // The prompt fed whole, in two pieces (the second attends over a cache the first
+        // filled) and one token at a time (each attends over the cache alone): the same logits.
+        for (i, case) in golden.cases.iter().enumerate() {
+            let ids = &case.input_ids;
+            let half = ids.len() / 2;
+            for pieces in [vec![&ids[..half], &ids[half..]], ids.chunks(1).collect()] {
+                let what = format!("{name} case {i}, prompt in {} pieces", pieces.len());
+                let mut cache = model.new_cache();
+                let mut logits = None;
+                for piece in pieces {
+                    logits = Some(
+                        model
+                            .forward(piece, &mut cache, &mut buffer, &mut Vec::new())
+                            .unwrap(),
+                    );
+                }
+                let got = Vec::<f32>::try_from(&logits.unwrap()).unwrap();
+                assert_close(&what, &got, &case.step_logits[0]);
+            }
+        }
         let stats = buffer.stats();
         assert_eq!(stats.hits + stats.misses, stats.accesses);
         if slots == 2 {

@@ -167,10 +167,41 @@ pub struct DecoderOnlyModel {
 
 /// The KV cache of one running sequence.
 pub struct KvCache {
-    /// Per layer: keys and values after RoPE, `[1, KV, len, hd]`.
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<LayerKv>,
     /// Tokens cached (the position of the next one).
     len: i64,
+}
+
+/// One layer's cached keys (after RoPE) and values, token-major `[len, KV × hd]`: a decode
+/// step appends its token's in place instead of copying the whole cache into a new tensor.
+#[derive(Default)]
+struct LayerKv {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl LayerKv {
+    /// The cache as the tensors `[1, KV, len, hd]` the prompt path attends over (a copy).
+    fn tensors(&self, kv_heads: i64, hd: i64) -> Result<(Tensor, Tensor)> {
+        let heads = |values: &[f32]| -> Result<Tensor> {
+            Ok(Tensor::f_from_slice(values)?
+                .f_view([1, -1, kv_heads, hd])?
+                .f_transpose(1, 2)?)
+        };
+        Ok((heads(&self.keys)?, heads(&self.values)?))
+    }
+
+    /// Appends `keys` and `values` `[1, KV, n, hd]`.
+    fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<()> {
+        let token_major = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(Vec::<f32>::try_from(
+                &t.f_transpose(1, 2)?.f_contiguous()?.f_reshape([-1])?,
+            )?)
+        };
+        self.keys.extend(token_major(keys)?);
+        self.values.extend(token_major(values)?);
+        Ok(())
+    }
 }
 
 impl KvCache {
@@ -319,7 +350,7 @@ impl DecoderOnlyModel {
     /// An empty cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
         KvCache {
-            layers: (0..self.layers.len()).map(|_| None).collect(),
+            layers: (0..self.layers.len()).map(|_| LayerKv::default()).collect(),
             len: 0,
         }
     }
@@ -349,6 +380,13 @@ impl DecoderOnlyModel {
         let input = Tensor::f_from_slice(ids)?.f_view([1, n])?;
         let mut h = self.embed_tokens.embed(&input)?; // [1, n, d]
         let (cos, sin) = self.rotary.cos_sin(past, n)?; // [1, 1, n, hd]
+                                                        // One new token: its rotation as plain values for the attention of `attend_one`.
+        let rope_one = if n == 1 {
+            let values = |t: &Tensor| Vec::<f32>::try_from(&t.f_reshape([-1])?);
+            Some((values(&cos)?, values(&sin)?))
+        } else {
+            None
+        };
         let routing = Routing::TopK {
             k: self.spec.top_k,
             normalize: self.spec.norm_topk_prob,
@@ -356,8 +394,11 @@ impl DecoderOnlyModel {
         for (index, layer) in self.layers.iter().enumerate() {
             // hidden_states = residual + self_attn(input_layernorm(hidden_states))
             let normed = layer.input_norm.forward(&h)?;
-            let attended =
-                self.attend(layer, &normed, &cos, &sin, past, &mut cache.layers[index])?;
+            let kv = &mut cache.layers[index];
+            let attended = match &rope_one {
+                Some((cos, sin)) => self.attend_one(layer, &normed, cos, sin, past, kv)?,
+                None => self.attend(layer, &normed, &cos, &sin, past, kv)?,
+            };
             h = h.f_add(&attended)?;
             if matches!(layer.ff, FeedForward::Sparse { .. }) && provider.wants_lookahead() {
                 self.look_ahead(index, &h, routing, provider)?;
@@ -420,6 +461,92 @@ impl DecoderOnlyModel {
         provider.predicted(Stack::Decoder, j, routing.k(), &experts)
     }
 
+    /// The query, key and value projections of `x` `[1, n, d]` (`[1, n, H·hd]`, `[1, n, KV·hd]`
+    /// twice), normed and clipped where the family does, before RoPE.
+    fn project_qkv(&self, a: &Attention, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let mut q = linear_bias(x, &a.q, a.q_bias.as_ref())?; // [1, n, H·hd]
+        let mut k = linear_bias(x, &a.k, a.k_bias.as_ref())?; // [1, n, KV·hd]
+        let mut v = linear_bias(x, &a.v, a.v_bias.as_ref())?;
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            // query_states = self.q_norm(self.q_proj(hidden_states)) (before splitting heads)
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        if let Some(c) = self.spec.clip_qkv {
+            q = q.f_clamp(-c, c)?;
+            k = k.f_clamp(-c, c)?;
+            v = v.f_clamp(-c, c)?;
+        }
+        Ok((q, k, v))
+    }
+
+    /// Self-attention of one new token `x` `[1, 1, d]` at position `past`, appending to `kv`:
+    /// the math of [`Self::attend`] in plain loops over the cache (RoPE in libtorch's order of
+    /// roundings; the dot products and the softmax sum in their own order), without the two
+    /// dozen tensor ops per layer that cost more than the arithmetic of a short context.
+    fn attend_one(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        cos: &[f32],
+        sin: &[f32],
+        past: i64,
+        kv: &mut LayerKv,
+    ) -> Result<Tensor> {
+        let a = &layer.attention;
+        let (heads, kv_heads, hd) = (
+            self.spec.num_heads,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+        );
+        let (q, k, v) = self.project_qkv(a, x)?;
+        let values = |t: &Tensor| Vec::<f32>::try_from(&t.f_reshape([-1])?);
+        let (mut q, mut k, v) = (values(&q)?, values(&k)?, values(&v)?);
+        // apply_rotary_pos_emb: x·cos + rotate_half(x)·sin, rotate_half(x) = cat(−x2, x1)
+        let half = hd / 2;
+        for head in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
+            let x: Vec<f32> = head.to_vec();
+            for (i, y) in head.iter_mut().enumerate() {
+                let rotated = if i < half { -x[i + half] } else { x[i - half] };
+                *y = x[i] * cos[i] + rotated * sin[i];
+            }
+        }
+        kv.keys.extend_from_slice(&k);
+        kv.values.extend_from_slice(&v);
+        let total = past as usize + 1;
+        let width = kv_heads * hd;
+        // Keys a sliding window hides: query − key ≥ window.
+        let first = a.window.map_or(0, |w| total.saturating_sub(w));
+        let scaling = (hd as f64).powf(-0.5) as f32;
+        let rep = heads / kv_heads;
+        let mut out = vec![0f32; heads * hd];
+        let mut weights = vec![0f32; total];
+        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
+            let q = &q[h * hd..(h + 1) * hd];
+            let offset = h / rep * hd;
+            let mut max = f32::NEG_INFINITY;
+            for (t, w) in weights.iter_mut().enumerate().skip(first) {
+                let key = &kv.keys[t * width + offset..t * width + offset + hd];
+                *w = q.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scaling;
+                max = max.max(*w);
+            }
+            let mut sum = 0f32;
+            for w in &mut weights[first..] {
+                *w = (*w - max).exp();
+                sum += *w;
+            }
+            for (t, w) in weights.iter().enumerate().skip(first) {
+                let p = w / sum;
+                let value = &kv.values[t * width + offset..t * width + offset + hd];
+                for (o, v) in out.iter_mut().zip(value) {
+                    *o += p * v;
+                }
+            }
+        }
+        let out = Tensor::f_from_slice(&out)?.f_view([1, 1, (heads * hd) as i64])?;
+        linear_bias(&out, &a.o, a.o_bias.as_ref())
+    }
+
     /// Self-attention of `x` `[1, n, d]` at positions `past ..`, appending to `kv`.
     fn attend(
         &self,
@@ -428,7 +555,7 @@ impl DecoderOnlyModel {
         cos: &Tensor,
         sin: &Tensor,
         past: i64,
-        kv: &mut Option<(Tensor, Tensor)>,
+        kv: &mut LayerKv,
     ) -> Result<Tensor> {
         let a = &layer.attention;
         let spec = &self.spec;
@@ -438,31 +565,21 @@ impl DecoderOnlyModel {
             spec.num_kv_heads as i64,
             spec.head_dim as i64,
         );
-        let mut q = linear_bias(x, &a.q, a.q_bias.as_ref())?; // [1, n, H·hd]
-        let mut k = linear_bias(x, &a.k, a.k_bias.as_ref())?; // [1, n, KV·hd]
-        let mut v = linear_bias(x, &a.v, a.v_bias.as_ref())?;
-        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-            // query_states = self.q_norm(self.q_proj(hidden_states)) (before splitting heads)
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
-        if let Some(c) = spec.clip_qkv {
-            q = q.f_clamp(-c, c)?;
-            k = k.f_clamp(-c, c)?;
-            v = v.f_clamp(-c, c)?;
-        }
+        let (q, k, v) = self.project_qkv(a, x)?;
         let heads_of = |t: Tensor, h: i64| t.f_view([1, n, h, hd])?.f_transpose(1, 2);
         let q = Rotary::apply(&heads_of(q, heads)?, cos, sin)?; // [1, H, n, hd]
         let k = Rotary::apply(&heads_of(k, kv_heads)?, cos, sin)?; // [1, KV, n, hd]
         let v = heads_of(v, kv_heads)?;
-        let (keys, values) = match kv.take() {
-            Some((pk, pv)) => (Tensor::f_cat(&[pk, k], 2)?, Tensor::f_cat(&[pv, v], 2)?),
-            None => (k, v),
+        let (keys, values) = if past > 0 {
+            let (pk, pv) = kv.tensors(kv_heads, hd)?;
+            (Tensor::f_cat(&[&pk, &k], 2)?, Tensor::f_cat(&[&pv, &v], 2)?)
+        } else {
+            (k.shallow_clone(), v.shallow_clone())
         }; // [1, KV, past + n, hd]
+        kv.append(&k, &v)?;
         let rep = heads / kv_heads;
         let keys_h = repeat_kv(&keys, rep)?; // [1, H, total, hd]
         let values_h = repeat_kv(&values, rep)?;
-        *kv = Some((keys, values));
         // attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
         let mut scores = q
             .f_matmul(&keys_h.f_transpose(2, 3)?)?
