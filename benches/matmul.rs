@@ -12,7 +12,8 @@
 //! reference the integer ones are compared with.
 //!
 //! `cargo bench --bench matmul` (criterion prints the throughput; the STREAM figures are printed
-//! first, as `stream read` / `stream copy` / `stream triad` in GB/s).
+//! first, as `stream read` / `stream copy` / `stream triad` in GB/s). `MATMUL_THREADS=N` runs
+//! the "from memory" groups on N compute threads (the engine's `--threads`; default 1).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -148,6 +149,16 @@ fn kernels(c: &mut Criterion) {
 /// and every matrix starts cold (no stream under way), as in decoding.
 fn streamed(c: &mut Criterion) {
     tch::set_num_threads(1);
+    let threads: usize = std::env::var("MATMUL_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1);
+    edgemoe::quant::parallel::set_compute_threads(threads);
+    let on = if threads > 1 {
+        format!(", {threads} threads")
+    } else {
+        String::new()
+    };
     for (name, rows, cols) in [("expert", 1024, 2048), ("lm-head", 50304, 2048)] {
         let w = weights(rows * cols);
         for bits in [QuantBits::Int8, QuantBits::Int4, QuantBits::Int2] {
@@ -159,7 +170,7 @@ fn streamed(c: &mut Criterion) {
                 .chain((1..count).map(|_| PackedMatrix::encode(&w, rows, cols, format).unwrap()))
                 .collect();
             let mut group = c.benchmark_group(format!(
-                "{name} from memory [{rows}x{cols}] {}",
+                "{name} from memory [{rows}x{cols}] {}{on}",
                 format.name()
             ));
             group.throughput(Throughput::Bytes(bytes as u64));
