@@ -21,7 +21,9 @@
 
 use tch::{Kind, Tensor};
 
-use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, Linear, RmsNorm, Rotary, Weight};
+use super::layers::{
+    gated_mlp, linear, linear_bias, repeat_kv, CachedKv, Linear, RmsNorm, Rotary, Weight,
+};
 use super::moe::{moe_ffn, route_ahead, LayerRoute, Router, Routing};
 use crate::config::{DecoderFamily, DecoderSpec};
 use crate::error::{Error, Result};
@@ -514,35 +516,16 @@ impl DecoderOnlyModel {
         kv.keys.extend_from_slice(&k);
         kv.values.extend_from_slice(&v);
         let total = past as usize + 1;
-        let width = kv_heads * hd;
         // Keys a sliding window hides: query − key ≥ window.
         let first = a.window.map_or(0, |w| total.saturating_sub(w));
+        let cached = CachedKv {
+            keys: &kv.keys,
+            values: &kv.values,
+            kv_heads,
+            head_dim: hd,
+        };
         let scaling = (hd as f64).powf(-0.5) as f32;
-        let rep = heads / kv_heads;
-        let mut out = vec![0f32; heads * hd];
-        let mut weights = vec![0f32; total];
-        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-            let q = &q[h * hd..(h + 1) * hd];
-            let offset = h / rep * hd;
-            let mut max = f32::NEG_INFINITY;
-            for (t, w) in weights.iter_mut().enumerate().skip(first) {
-                let key = &kv.keys[t * width + offset..t * width + offset + hd];
-                *w = dot(q, key) * scaling;
-                max = max.max(*w);
-            }
-            let mut sum = 0f32;
-            for w in &mut weights[first..] {
-                *w = (*w - max).exp();
-                sum += *w;
-            }
-            for (t, w) in weights.iter().enumerate().skip(first) {
-                let p = w / sum;
-                let value = &kv.values[t * width + offset..t * width + offset + hd];
-                for (o, v) in out.iter_mut().zip(value) {
-                    *o += p * v;
-                }
-            }
-        }
+        let out = cached.attend(&q, first, scaling, None);
         let out = Tensor::f_from_slice(&out)?.f_view([1, 1, (heads * hd) as i64])?;
         linear_bias(&out, &a.o, a.o_bias.as_ref())
     }
@@ -595,26 +578,6 @@ impl DecoderOnlyModel {
             .f_reshape([1, n, heads * hd])?;
         linear_bias(&out, &a.o, a.o_bias.as_ref())
     }
-}
-
-/// `Σ a[i]·b[i]` over 16 running sums (lane `i % 16`), added together at the end: a fixed
-/// order the compiler can keep in vector registers (a single running sum it may not reorder).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let mut sums = [0f32; LANES];
-    let (a_blocks, b_blocks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = a_blocks
-        .remainder()
-        .iter()
-        .zip(b_blocks.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a_blocks.zip(b_blocks) {
-        for lane in 0..LANES {
-            sums[lane] += x[lane] * y[lane];
-        }
-    }
-    sums.iter().sum::<f32>() + tail
 }
 
 /// Additive mask `[1, 1, n, past + n]` (0 = seen, -inf = hidden) for queries at positions
@@ -678,26 +641,6 @@ impl DecoderOnlyModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The attention's dot product against a sum in f64, on lengths with and without whole
-    /// blocks of lanes and a tail (the golden fixtures' heads are shorter than a block).
-    #[test]
-    fn dot_products_sum_every_pair_once() {
-        for len in [0, 1, 15, 16, 17, 64, 128, 131] {
-            let a: Vec<f32> = (0..len)
-                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
-                .collect();
-            let b: Vec<f32> = (0..len)
-                .map(|i| ((i * 53 % 19) as f32 - 9.0) / 5.0)
-                .collect();
-            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            let got = dot(&a, &b) as f64;
-            assert!(
-                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                "{len}: {got} vs {want}"
-            );
-        }
-    }
 
     #[test]
     fn masks_are_causal_and_windowed() {

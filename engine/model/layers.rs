@@ -367,6 +367,31 @@ impl Attention {
         linear(&out, &self.o)
     }
 
+    /// [`Self::attend`] for one query `x` `[1, 1, d_model]` over keys and values cached
+    /// token-major (`[k, heads × d_kv]`), with `bias` `[heads, k]` where given: the decode step
+    /// of a single sequence, in plain loops ([`CachedKv::attend`]).
+    pub fn attend_cached(
+        &self,
+        x: &Tensor,
+        keys: &[f32],
+        values: &[f32],
+        bias: Option<&[f32]>,
+    ) -> Result<Tensor> {
+        let query = Vec::<f32>::try_from(&linear(x, &self.q)?.f_reshape([-1])?)?;
+        let cached = CachedKv {
+            keys,
+            values,
+            kv_heads: self.num_heads as usize,
+            head_dim: self.d_kv as usize,
+        };
+        // attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling   (scaling = 1.0)
+        let out = cached.attend(&query, 0, 1.0, bias);
+        linear(
+            &Tensor::f_from_slice(&out)?.f_view([1, 1, self.num_heads * self.d_kv])?,
+            &self.o,
+        )
+    }
+
     /// `compute_bias`: `[1, heads, query_len, key_len]` for queries at positions
     /// `past .. past + query_len` over keys `0 .. key_len`.
     pub fn position_bias(
@@ -394,5 +419,104 @@ impl Attention {
             .f_index_select(0, &buckets.f_flatten(0, -1)?)?
             .f_view([query_len, key_len, self.num_heads])?; // [q, k, h]
         Ok(values.f_permute([2, 0, 1])?.f_unsqueeze(0)?)
+    }
+}
+
+/// Keys and values cached for one sequence, token-major (`[len, kv_heads × head_dim]` each): a
+/// decode step appends its token's in place. Query head `h` reads kv head `h / (heads /
+/// kv_heads)` (grouped-query attention; `repeat_kv`).
+pub struct CachedKv<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl CachedKv<'_> {
+    /// The attention of one query `q` `[heads × head_dim]` over the cached tokens `first ..`
+    /// (earlier ones hidden, as a sliding window does): per head, `softmax(q·kᵀ × scaling +
+    /// bias)·v`, with `bias` `[heads, len]` added where given (T5's position bias). Plain loops,
+    /// for a decode step: a dozen tensor ops per layer cost more than this arithmetic. The
+    /// roundings follow the tensor version except the order of the dot products' and the
+    /// softmax's sums.
+    pub fn attend(&self, q: &[f32], first: usize, scaling: f32, bias: Option<&[f32]>) -> Vec<f32> {
+        let hd = self.head_dim;
+        let width = self.kv_heads * hd;
+        let total = self.keys.len() / width.max(1);
+        let heads = q.len() / hd.max(1);
+        let rep = heads / self.kv_heads.max(1);
+        let mut out = vec![0f32; heads * hd];
+        let mut weights = vec![0f32; total];
+        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
+            let q = &q[h * hd..(h + 1) * hd];
+            let offset = h / rep * hd;
+            let mut max = f32::NEG_INFINITY;
+            for (t, w) in weights.iter_mut().enumerate().skip(first) {
+                let key = &self.keys[t * width + offset..t * width + offset + hd];
+                *w = dot(q, key) * scaling;
+                if let Some(bias) = bias {
+                    *w += bias[h * total + t];
+                }
+                max = max.max(*w);
+            }
+            let mut sum = 0f32;
+            for w in &mut weights[first..] {
+                *w = (*w - max).exp();
+                sum += *w;
+            }
+            for (t, w) in weights.iter().enumerate().skip(first) {
+                let p = w / sum;
+                let value = &self.values[t * width + offset..t * width + offset + hd];
+                for (o, v) in out.iter_mut().zip(value) {
+                    *o += p * v;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `Σ a[i]·b[i]` over 16 running sums (lane `i % 16`), added together at the end: a fixed
+/// order the compiler can keep in vector registers (a single running sum it may not reorder).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut sums = [0f32; LANES];
+    let (a_blocks, b_blocks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = a_blocks
+        .remainder()
+        .iter()
+        .zip(b_blocks.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a_blocks.zip(b_blocks) {
+        for lane in 0..LANES {
+            sums[lane] += x[lane] * y[lane];
+        }
+    }
+    sums.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The attention's dot product against a sum in f64, on lengths with and without whole
+    /// blocks of lanes and a tail (the golden fixtures' heads are shorter than a block).
+    #[test]
+    fn dot_products_sum_every_pair_once() {
+        for len in [0, 1, 15, 16, 17, 64, 128, 131] {
+            let a: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                .collect();
+            let b: Vec<f32> = (0..len)
+                .map(|i| ((i * 53 % 19) as f32 - 9.0) / 5.0)
+                .collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let got = dot(&a, &b) as f64;
+            assert!(
+                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "{len}: {got} vs {want}"
+            );
+        }
     }
 }

@@ -108,8 +108,17 @@ pub struct DecoderState {
     self_kv: Vec<Option<(Tensor, Tensor)>>,
     /// Per block: cross-attention keys and values over the encoder output `[b, h, src, dk]`.
     cross_kv: Vec<(Tensor, Tensor)>,
+    /// One sequence on the CPU (greedy decoding, the default): the caches as plain values
+    /// instead, for [`SwitchModel::decode_step`]'s loops (the tensor caches stay empty).
+    one: Option<OneSequence>,
     /// Tokens already decoded (the position of the next one).
     len: i64,
+}
+
+/// A single sequence's caches, token-major (`[len or src, h × dk]`), per block.
+struct OneSequence {
+    self_kv: Vec<(Vec<f32>, Vec<f32>)>,
+    cross_kv: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 impl SwitchModel {
@@ -382,6 +391,32 @@ impl SwitchModel {
     /// Prepares the decoder for `beams` sequences over `encoder_out` `[1, src, d]`.
     pub fn start_decoder(&self, encoder_out: &Tensor, beams: usize) -> Result<DecoderState> {
         let _guard = tch::no_grad_guard();
+        let blocks = self.decoder.blocks.len();
+        if beams == 1 && encoder_out.device() == Device::Cpu {
+            let mut cross_kv = Vec::with_capacity(blocks);
+            for block in &self.decoder.blocks {
+                let (attn, _) = block
+                    .cross_attention
+                    .as_ref()
+                    .expect("decoder blocks have cross-attention");
+                // linear() gives `[1, src, h × dk]`: token-major already.
+                let values = |w: &Linear| -> Result<Vec<f32>> {
+                    Ok(Vec::<f32>::try_from(
+                        &linear(encoder_out, w)?.f_reshape([-1])?,
+                    )?)
+                };
+                cross_kv.push((values(&attn.k)?, values(&attn.v)?));
+            }
+            return Ok(DecoderState {
+                self_kv: Vec::new(),
+                cross_kv: Vec::new(),
+                one: Some(OneSequence {
+                    self_kv: vec![(Vec::new(), Vec::new()); blocks],
+                    cross_kv,
+                }),
+                len: 0,
+            });
+        }
         // HF expands the encoder output to every beam (`repeat_interleave`) before decoding.
         let expanded = encoder_out.f_repeat([beams as i64, 1, 1])?;
         let mut cross_kv = Vec::new();
@@ -396,8 +431,9 @@ impl SwitchModel {
             ));
         }
         Ok(DecoderState {
-            self_kv: (0..self.decoder.blocks.len()).map(|_| None).collect(),
+            self_kv: (0..blocks).map(|_| None).collect(),
             cross_kv,
+            one: None,
             len: 0,
         })
     }
@@ -422,6 +458,38 @@ impl SwitchModel {
             self.spec.relative_attention_num_buckets as i64,
             self.spec.relative_attention_max_distance as i64,
         )?; // [1, h, 1, len + 1]
+        if let Some(one) = &mut state.one {
+            if b != 1 {
+                return Err(Error::Internal(format!(
+                    "a decoder started for one sequence was fed {b}"
+                )));
+            }
+            let bias = Vec::<f32>::try_from(&bias.f_reshape([-1])?)?; // [h, len + 1]
+            for (index, block) in self.decoder.blocks.iter().enumerate() {
+                let attn = &block.self_attention;
+                let normed = block.self_attention_norm.forward(&h)?;
+                let (keys, values) = &mut one.self_kv[index];
+                keys.extend(Vec::<f32>::try_from(
+                    &linear(&normed, &attn.k)?.f_reshape([-1])?,
+                )?);
+                values.extend(Vec::<f32>::try_from(
+                    &linear(&normed, &attn.v)?.f_reshape([-1])?,
+                )?);
+                h = h.f_add(&attn.attend_cached(&normed, keys, values, Some(&bias))?)?;
+
+                let (cross, cross_norm) = block
+                    .cross_attention
+                    .as_ref()
+                    .expect("decoder blocks have cross-attention");
+                let (keys, values) = &one.cross_kv[index];
+                let normed = cross_norm.forward(&h)?;
+                h = h.f_add(&cross.attend_cached(&normed, keys, values, None)?)?;
+
+                h = self.feed_forward(&self.decoder, index, &h, provider, routes)?;
+            }
+            state.len += 1;
+            return self.logits(&h, b);
+        }
         for (index, block) in self.decoder.blocks.iter().enumerate() {
             let attn = &block.self_attention;
             let normed = block.self_attention_norm.forward(&h)?;
@@ -448,7 +516,12 @@ impl SwitchModel {
             h = self.feed_forward(&self.decoder, index, &h, provider, routes)?;
         }
         state.len += 1;
-        let mut h = self.decoder.final_norm.forward(&h)?;
+        self.logits(&h, b)
+    }
+
+    /// The next-token logits `[b, V]` of the last block's output `h` `[b, 1, d]`.
+    fn logits(&self, h: &Tensor, b: i64) -> Result<Tensor> {
+        let mut h = self.decoder.final_norm.forward(h)?;
         let head = match &self.lm_head {
             Some(head) => head,
             None => {
@@ -463,6 +536,15 @@ impl SwitchModel {
 
     /// Keeps the caches of sequences `beam_idx` (`[b]`, indices into the current batch).
     pub fn reorder(&self, state: &mut DecoderState, beam_idx: &[i64]) -> Result<()> {
+        if state.one.is_some() {
+            // One sequence: the only order is itself.
+            return match beam_idx {
+                [0] => Ok(()),
+                _ => Err(Error::Internal(format!(
+                    "a decoder started for one sequence reordered as {beam_idx:?}"
+                ))),
+            };
+        }
         let idx = Tensor::f_from_slice(beam_idx)?.f_to_device(self.device())?;
         for kv in state.self_kv.iter_mut().flatten() {
             *kv = (kv.0.f_index_select(0, &idx)?, kv.1.f_index_select(0, &idx)?);
