@@ -108,17 +108,19 @@ pub struct DecoderState {
     self_kv: Vec<Option<(Tensor, Tensor)>>,
     /// Per block: cross-attention keys and values over the encoder output `[b, h, src, dk]`.
     cross_kv: Vec<(Tensor, Tensor)>,
-    /// One sequence on the CPU (greedy decoding, the default): the caches as plain values
-    /// instead, for [`SwitchModel::decode_step`]'s loops (the tensor caches stay empty).
+    /// One sequence on the CPU (greedy decoding, the default): the self-attention cache as
+    /// plain values instead, for [`SwitchModel::decode_step`]'s loops (`self_kv` stays empty).
     one: Option<OneSequence>,
     /// Tokens already decoded (the position of the next one).
     len: i64,
 }
 
-/// A single sequence's caches, token-major (`[len or src, h × dk]`), per block.
+/// A single sequence's self-attention keys and values, token-major (`[len, h × dk]`), per
+/// block. Cross-attention keeps its tensors: over a few hundred source tokens libtorch's
+/// batched GEMV is faster than [`super::layers::CachedKv::attend`]'s loops (measured: 1.7–2.5 ms per
+/// switch-base-8 step, BENCHMARKS.md §9.8).
 struct OneSequence {
     self_kv: Vec<(Vec<f32>, Vec<f32>)>,
-    cross_kv: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 impl SwitchModel {
@@ -392,31 +394,6 @@ impl SwitchModel {
     pub fn start_decoder(&self, encoder_out: &Tensor, beams: usize) -> Result<DecoderState> {
         let _guard = tch::no_grad_guard();
         let blocks = self.decoder.blocks.len();
-        if beams == 1 && encoder_out.device() == Device::Cpu {
-            let mut cross_kv = Vec::with_capacity(blocks);
-            for block in &self.decoder.blocks {
-                let (attn, _) = block
-                    .cross_attention
-                    .as_ref()
-                    .expect("decoder blocks have cross-attention");
-                // linear() gives `[1, src, h × dk]`: token-major already.
-                let values = |w: &Linear| -> Result<Vec<f32>> {
-                    Ok(Vec::<f32>::try_from(
-                        &linear(encoder_out, w)?.f_reshape([-1])?,
-                    )?)
-                };
-                cross_kv.push((values(&attn.k)?, values(&attn.v)?));
-            }
-            return Ok(DecoderState {
-                self_kv: Vec::new(),
-                cross_kv: Vec::new(),
-                one: Some(OneSequence {
-                    self_kv: vec![(Vec::new(), Vec::new()); blocks],
-                    cross_kv,
-                }),
-                len: 0,
-            });
-        }
         // HF expands the encoder output to every beam (`repeat_interleave`) before decoding.
         let expanded = encoder_out.f_repeat([beams as i64, 1, 1])?;
         let mut cross_kv = Vec::new();
@@ -430,10 +407,14 @@ impl SwitchModel {
                 attn.project(&expanded, &attn.v)?,
             ));
         }
+        // One sequence on the CPU: the self-attention cache as plain values.
+        let one = (beams == 1 && encoder_out.device() == Device::Cpu).then(|| OneSequence {
+            self_kv: vec![(Vec::new(), Vec::new()); blocks],
+        });
         Ok(DecoderState {
             self_kv: (0..blocks).map(|_| None).collect(),
             cross_kv,
-            one: None,
+            one,
             len: 0,
         })
     }
@@ -481,9 +462,9 @@ impl SwitchModel {
                     .cross_attention
                     .as_ref()
                     .expect("decoder blocks have cross-attention");
-                let (keys, values) = &one.cross_kv[index];
+                let (ck, cv) = &state.cross_kv[index];
                 let normed = cross_norm.forward(&h)?;
-                h = h.f_add(&cross.attend_cached(&normed, keys, values, None)?)?;
+                h = h.f_add(&cross.attend(&normed, ck, cv, None)?)?;
 
                 h = self.feed_forward(&self.decoder, index, &h, provider, routes)?;
             }
