@@ -439,52 +439,45 @@ impl SwitchModel {
             self.spec.relative_attention_num_buckets as i64,
             self.spec.relative_attention_max_distance as i64,
         )?; // [1, h, 1, len + 1]
-        if let Some(one) = &mut state.one {
-            if b != 1 {
+            // One sequence on the CPU: the bias as plain values `[h, len + 1]` for the loops.
+        let bias_values = match &state.one {
+            Some(_) if b != 1 => {
                 return Err(Error::Internal(format!(
                     "a decoder started for one sequence was fed {b}"
-                )));
+                )))
             }
-            let bias = Vec::<f32>::try_from(&bias.f_reshape([-1])?)?; // [h, len + 1]
-            for (index, block) in self.decoder.blocks.iter().enumerate() {
-                let attn = &block.self_attention;
-                let normed = block.self_attention_norm.forward(&h)?;
-                let (keys, values) = &mut one.self_kv[index];
-                keys.extend(Vec::<f32>::try_from(
-                    &linear(&normed, &attn.k)?.f_reshape([-1])?,
-                )?);
-                values.extend(Vec::<f32>::try_from(
-                    &linear(&normed, &attn.v)?.f_reshape([-1])?,
-                )?);
-                h = h.f_add(&attn.attend_cached(&normed, keys, values, Some(&bias))?)?;
-
-                let (cross, cross_norm) = block
-                    .cross_attention
-                    .as_ref()
-                    .expect("decoder blocks have cross-attention");
-                let (ck, cv) = &state.cross_kv[index];
-                let normed = cross_norm.forward(&h)?;
-                h = h.f_add(&cross.attend(&normed, ck, cv, None)?)?;
-
-                h = self.feed_forward(&self.decoder, index, &h, provider, routes)?;
-            }
-            state.len += 1;
-            return self.logits(&h, b);
-        }
+            Some(_) => Some(Vec::<f32>::try_from(&bias.f_reshape([-1])?)?),
+            None => None,
+        };
         for (index, block) in self.decoder.blocks.iter().enumerate() {
             let attn = &block.self_attention;
             let normed = block.self_attention_norm.forward(&h)?;
-            let new_k = attn.project(&normed, &attn.k)?; // [b, h, 1, dk]
-            let new_v = attn.project(&normed, &attn.v)?;
-            let (keys, values) = match state.self_kv[index].take() {
-                Some((k, v)) => (
-                    Tensor::f_cat(&[k, new_k], 2)?,
-                    Tensor::f_cat(&[v, new_v], 2)?,
-                ),
-                None => (new_k, new_v),
+            let attended = match (&mut state.one, &bias_values) {
+                (Some(one), Some(bias_values)) => {
+                    let (keys, values) = &mut one.self_kv[index];
+                    let token = |w: &Linear| -> Result<Vec<f32>> {
+                        Ok(Vec::<f32>::try_from(&linear(&normed, w)?.f_reshape([-1])?)?)
+                    };
+                    keys.extend(token(&attn.k)?);
+                    values.extend(token(&attn.v)?);
+                    attn.attend_cached(&normed, keys, values, Some(bias_values))?
+                }
+                _ => {
+                    let new_k = attn.project(&normed, &attn.k)?; // [b, h, 1, dk]
+                    let new_v = attn.project(&normed, &attn.v)?;
+                    let (keys, values) = match state.self_kv[index].take() {
+                        Some((k, v)) => (
+                            Tensor::f_cat(&[k, new_k], 2)?,
+                            Tensor::f_cat(&[v, new_v], 2)?,
+                        ),
+                        None => (new_k, new_v),
+                    };
+                    let attended = attn.attend(&normed, &keys, &values, Some(&bias))?;
+                    state.self_kv[index] = Some((keys, values));
+                    attended
+                }
             };
-            h = h.f_add(&attn.attend(&normed, &keys, &values, Some(&bias))?)?;
-            state.self_kv[index] = Some((keys, values));
+            h = h.f_add(&attended)?;
 
             let (cross, cross_norm) = block
                 .cross_attention
