@@ -139,8 +139,8 @@ impl PageBytes {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: start + len lies inside the buffer (checked where parts are made), whose
-        // bytes are initialised; only this part reaches this range.
+        // SAFETY: start + len lies inside the buffer (`zeroed` and `split_zeroed` make parts
+        // only there), whose bytes are initialised; only this part reaches this range.
         unsafe { std::slice::from_raw_parts(self.whole.ptr.add(self.start), self.len) }
     }
 

@@ -54,10 +54,11 @@ pub fn compute_threads() -> usize {
 ///
 /// The calling thread takes tasks too: it starts at once on the first run of consecutive tasks
 /// (one run per compute thread, see `Job`), and a helper that wakes late finds fewer (or no)
-/// tasks left instead of holding the product up. One product runs on the pool at a time: a call made while another thread's
-/// product holds it, or from inside a task, runs its tasks on its own thread. (The caller waits
-/// for every helper inside the pool, so a long stream of products from a second thread can hold
-/// a first one back; the engine makes its products from one thread.)
+/// tasks left instead of holding the product up. One product runs on the pool at a time: a
+/// call made while another thread's product holds it, or from inside a task, runs its tasks on
+/// its own thread. (The caller waits for every helper inside the pool, so a long stream of
+/// products from a second thread can hold a first one back; the engine makes its products from
+/// one thread.)
 pub fn for_each_task(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     match POOL.get_or_init(|| None) {
         Some(pool) if tasks > 1 => pool.run(tasks, task),
