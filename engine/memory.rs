@@ -53,10 +53,27 @@ unsafe impl Send for Buffer {}
 unsafe impl Sync for Buffer {}
 
 impl Buffer {
-    /// `len` zero bytes aligned to at least `align` (a power of two), advised before the zeros
-    /// are written (the allocator's `alloc_zeroed` writes its zeros itself for large
-    /// alignments, which would fault the pages in small).
+    /// `len` zero bytes aligned to at least `align` (a power of two).
     fn zeroed(len: usize, align: usize) -> Buffer {
+        let buffer = Self::uninit(len, align);
+        // SAFETY: the allocation holds layout.size() bytes.
+        unsafe { std::ptr::write_bytes(buffer.ptr, 0, buffer.layout.size()) };
+        buffer
+    }
+
+    /// A copy of `bytes` (written once, not zeroed first: resident weights are copied at load).
+    fn copy_of(bytes: &[u8]) -> Buffer {
+        let buffer = Self::uninit(bytes.len(), MIN_ALIGN);
+        // SAFETY: the allocation holds at least bytes.len() bytes and is not `bytes`'s; a
+        // zero-length copy leaves the one byte of an empty layout unread (no part reaches it).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buffer.ptr, bytes.len()) };
+        buffer
+    }
+
+    /// The allocation, advised but not yet written: the advice must come before the first
+    /// write (the allocator's `alloc_zeroed` writes its zeros itself for large alignments,
+    /// which would fault the pages in small). The caller writes every byte a part can reach.
+    fn uninit(len: usize, align: usize) -> Buffer {
         let huge = huge_page_size();
         let align = if len >= huge {
             align.max(huge)
@@ -75,8 +92,6 @@ impl Buffer {
         if align >= huge {
             advise_huge_pages(ptr, len / huge * huge);
         }
-        // SAFETY: the allocation holds layout.size() bytes.
-        unsafe { std::ptr::write_bytes(ptr, 0, layout.size()) };
         Buffer { ptr, layout }
     }
 }
@@ -100,9 +115,11 @@ impl PageBytes {
 
     /// A copy of `bytes`.
     pub fn copy_of(bytes: &[u8]) -> Self {
-        let mut buf = Self::zeroed(bytes.len(), MIN_ALIGN);
-        buf.as_mut_slice().copy_from_slice(bytes);
-        buf
+        PageBytes {
+            whole: Arc::new(Buffer::copy_of(bytes)),
+            start: 0,
+            len: bytes.len(),
+        }
     }
 
     /// One zeroed buffer split into parts of `lens` bytes, each starting on a multiple of

@@ -382,7 +382,8 @@ impl DecoderOnlyModel {
         let input = Tensor::f_from_slice(ids)?.f_view([1, n])?;
         let mut h = self.embed_tokens.embed(&input)?; // [1, n, d]
         let (cos, sin) = self.rotary.cos_sin(past, n)?; // [1, 1, n, hd]
-                                                        // One new token: its rotation as plain values for the attention of `attend_one`.
+
+        // One new token: its rotation as plain values for the attention of `attend_one`.
         let rope_one = if n == 1 {
             let values = |t: &Tensor| Vec::<f32>::try_from(&t.f_reshape([-1])?);
             Some((values(&cos)?, values(&sin)?))
@@ -505,12 +506,15 @@ impl DecoderOnlyModel {
         let values = |t: &Tensor| Vec::<f32>::try_from(&t.f_reshape([-1])?);
         let (mut q, mut k, v) = (values(&q)?, values(&k)?, values(&v)?);
         // apply_rotary_pos_emb: x·cos + rotate_half(x)·sin, rotate_half(x) = cat(−x2, x1)
+        // Pairwise in place: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin), each product rounded
+        // on its own as libtorch's mul, mul, add do.
         let half = hd / 2;
         for head in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
-            let x: Vec<f32> = head.to_vec();
-            for (i, y) in head.iter_mut().enumerate() {
-                let rotated = if i < half { -x[i + half] } else { x[i - half] };
-                *y = x[i] * cos[i] + rotated * sin[i];
+            let (first, second) = head.split_at_mut(half);
+            for (i, (x1, x2)) in first.iter_mut().zip(second).enumerate() {
+                let (a, b) = (*x1, *x2);
+                *x1 = a * cos[i] + -b * sin[i];
+                *x2 = b * cos[i + half] + a * sin[i + half];
             }
         }
         kv.keys.extend_from_slice(&k);

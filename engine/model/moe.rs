@@ -216,7 +216,7 @@ pub fn moe_ffn(
         .collect();
     // One token on the CPU (a decode step): the experts' outputs summed in plain loops, in the
     // order and roundings of the `index_add_` below (each output scaled, then added to zeros).
-    if t_count == 1 && x.device() == tch::Device::Cpu {
+    let out = if t_count == 1 && x.device() == tch::Device::Cpu {
         let token = Vec::<f32>::try_from(&tokens.f_to_kind(Kind::Float)?.f_reshape([-1])?)?;
         let scales = Vec::<f32>::try_from(&weights.f_to_kind(Kind::Float)?)?;
         let mut out = vec![0f32; token.len()];
@@ -233,30 +233,26 @@ pub fn moe_ffn(
                 *o += y * scale;
             }
         }
-        routes.push(LayerRoute {
-            stack,
-            layer,
-            k,
-            experts: chosen_experts,
-            dropped,
-        });
-        return Ok(Tensor::f_from_slice(&out)?.f_reshape([b, n, d])?);
-    }
-    let mut out = tokens.f_zeros_like()?;
-    for (i, &expert) in used.iter().enumerate() {
-        let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
-        let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
-                                                        // The next expert's read overlaps this one's compute. Experts are computed on in their
-                                                        // stored encoding on the CPU; on a GPU they are expanded for the matmuls.
-        let next = used.get(i + 1).map(|&e| expert_id(e));
-        let w = provider
-            .expert(expert_id(expert), next)?
-            .to_device(x.device())?;
-        let slots = Tensor::f_from_slice(&slots_of[expert])?.f_to_device(x.device())?;
-        let scale = weights.f_index_select(0, &slots)?; // [t_e]
-        let y = expert_forward(&selected, &w)?.f_mul(&scale.f_unsqueeze(-1)?)?; // [t_e, d]
-        let _ = out.f_index_add_(0, &idx, &y)?;
-    }
+        Tensor::f_from_slice(&out)?
+    } else {
+        let mut out = tokens.f_zeros_like()?;
+        for (i, &expert) in used.iter().enumerate() {
+            let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
+            let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
+
+            // The next expert's read overlaps this one's compute. Experts are computed on in
+            // their stored encoding on the CPU; on a GPU they are expanded for the matmuls.
+            let next = used.get(i + 1).map(|&e| expert_id(e));
+            let w = provider
+                .expert(expert_id(expert), next)?
+                .to_device(x.device())?;
+            let slots = Tensor::f_from_slice(&slots_of[expert])?.f_to_device(x.device())?;
+            let scale = weights.f_index_select(0, &slots)?; // [t_e]
+            let y = expert_forward(&selected, &w)?.f_mul(&scale.f_unsqueeze(-1)?)?; // [t_e, d]
+            let _ = out.f_index_add_(0, &idx, &y)?;
+        }
+        out
+    };
     routes.push(LayerRoute {
         stack,
         layer,
