@@ -9,7 +9,7 @@
 //!   (one f32 scale per block, as llama.cpp's Q8_0) and take integer dot products per block:
 //!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
 //! - **GEMM** (prefill, the encoder): integer formats take the integer GEMM of
-//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI): activations rounded to INT8 blocks as
+//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` on aarch64): activations rounded to INT8 blocks as
 //!   for the GEMV, the same integer block sums, no weight expanded. Otherwise (float formats,
 //!   other CPUs) tiles of [`TILE_ROWS`] weight rows are dequantized into a small scratch and
 //!   multiplied by libtorch's GEMM (f32 weights are used in place).
@@ -732,7 +732,7 @@ pub fn matmul_kernel() -> &'static str {
     kernels::best().name
 }
 
-/// The integer GEMM this CPU uses (`"avx512-vnni"`), or `None` (dequantized tiles and
+/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"neon-dotprod"`), or `None` (dequantized tiles and
 /// libtorch's f32 GEMM).
 pub fn int_gemm_kernel() -> Option<&'static str> {
     kernels::int_gemm().map(|k| k.name)
@@ -876,13 +876,27 @@ mod tests {
         }
     }
 
-    /// `x · wᵀ` by the scalar integer GEMM over the whole matrix at once (no tiles, no threads).
-    fn int_gemm_whole(x: &[f32], n: usize, w: &MatrixRef<'_>, bits: QuantBits) -> Vec<f32> {
+    /// `x · wᵀ` by the scalar integer GEMM over the whole matrix at once (no tiles, no threads),
+    /// on unsigned activation codes and the bias, or on signed ones.
+    fn int_gemm_whole(
+        x: &[f32],
+        n: usize,
+        w: &MatrixRef<'_>,
+        bits: QuantBits,
+        signed: bool,
+    ) -> Vec<f32> {
         let (rows, cols) = (w.rows(), w.cols());
         let mut acts = GemmActs::default();
-        int_gemm::prepare_acts(x, n, cols, bits, &mut acts);
+        if signed {
+            int_gemm::prepare_signed_acts(x, n, cols, bits, &mut acts);
+        } else {
+            int_gemm::prepare_acts(x, n, cols, bits, &mut acts);
+        }
         let (mut codes, mut bias) = (Vec::new(), Vec::new());
         let codes = int_gemm::prepare_rows(w.data(), bits, cols, rows, &mut codes, &mut bias);
+        if signed {
+            bias.clear();
+        }
         let tile = GemmRows {
             codes,
             bias: &bias,
@@ -907,32 +921,62 @@ mod tests {
     /// groups of activation rows and partial micro-tiles.
     #[test]
     fn integer_gemm_kernels_give_the_reference_bit_for_bit() {
-        let Some(int) = kernels::int_gemm() else {
+        let kernels = kernels::int_gemms();
+        if kernels.is_empty() {
             eprintln!("no integer GEMM kernel on this CPU: nothing to compare");
-            return;
-        };
+        }
         set_compute_threads(2);
-        let mut rng = Rng(17);
+        for int in kernels {
+            let mut rng = Rng(17);
+            for bits in QuantBits::ALL {
+                for (rows, cols, n) in [
+                    (13, 64, 37),
+                    (7, 100, 8),
+                    (TILE_ROWS + 5, 96, 16),
+                    (6, 32, 33),
+                ] {
+                    let data = rng.bytes(rows * bits.row_bytes(cols));
+                    let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
+                    let w = MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales)
+                        .unwrap();
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 3.0).collect();
+                    let want = int_gemm_whole(&x, n, &w, bits, false);
+                    let mut got = vec![f32::NAN; n * rows];
+                    gemm_int(&x, n, w, bits, int, &mut got);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(g, e)| g.to_bits() == e.to_bits());
+                    assert!(same, "{} {} [{rows}, {cols}] n={n}", int.name, bits.name());
+                }
+            }
+        }
+    }
+
+    /// The reference GEMM gives the same bits on signed activation codes (no bias) as on
+    /// unsigned ones with the bias: the two forms the kernels take are one integer sum.
+    #[test]
+    fn signed_and_unsigned_activations_give_the_same_bits() {
+        let mut rng = Rng(29);
         for bits in QuantBits::ALL {
-            for (rows, cols, n) in [
-                (13, 64, 37),
-                (7, 100, 8),
-                (TILE_ROWS + 5, 96, 16),
-                (6, 32, 33),
-            ] {
+            for (rows, cols, n) in [(5, 64, 17), (9, 100, 8), (3, 32, 40)] {
                 let data = rng.bytes(rows * bits.row_bytes(cols));
                 let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
                 let w =
                     MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales).unwrap();
-                let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 3.0).collect();
-                let want = int_gemm_whole(&x, n, &w, bits);
-                let mut got = vec![f32::NAN; n * rows];
-                gemm_int(&x, n, w, bits, int, &mut got);
-                let same = got
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 5.0).collect();
+                let unsigned = int_gemm_whole(&x, n, &w, bits, false);
+                let signed = int_gemm_whole(&x, n, &w, bits, true);
+                assert!(
+                    unsigned.iter().any(|v| *v != 0.0),
+                    "{} all zero",
+                    bits.name()
+                );
+                let same = unsigned
                     .iter()
-                    .zip(&want)
-                    .all(|(g, e)| g.to_bits() == e.to_bits());
-                assert!(same, "{} {} [{rows}, {cols}] n={n}", int.name, bits.name());
+                    .zip(&signed)
+                    .all(|(u, s)| u.to_bits() == s.to_bits());
+                assert!(same, "{} [{rows}, {cols}] n={n}", bits.name());
             }
         }
     }
@@ -1080,7 +1124,7 @@ mod tests {
                 // The integer GEMM: each output is one kernel's sum over its whole row.
                 for n in [GEMM_MIN_ROWS, 37] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
-                    let want = int_gemm_whole(&x, n, &w.view(), bits);
+                    let want = int_gemm_whole(&x, n, &w.view(), bits, false);
                     assert_matmul_gives(&x, n, &w, &want, "integer GEMM");
                 }
                 continue;

@@ -5,25 +5,27 @@
 //! GEMV's formula (activations rounded to INT8 blocks of [`BLOCK`] values exactly as there, so
 //! both paths take the same integer block sums).
 //!
-//! The layout is made for `vpdpbusd` (unsigned bytes × signed bytes, summed in fours into i32
-//! lanes) with one lane per *activation row*:
-//! - activations ([`GemmActs`]) are unsigned `x_q + 128`, transposed once per product into groups
-//!   of [`LANES`] rows: `[group][cols / 4][lane][4]`, so one 64-byte load holds four consecutive
-//!   values of 16 rows;
+//! The layout is made for instructions that sum products of bytes in fours into i32 lanes
+//! (x86's `vpdpbusd`, aarch64's `sdot`), with one lane per *activation row*:
+//! - activations ([`GemmActs`]) are transposed once per product into groups of [`LANES`] rows:
+//!   `[group][cols / 4][lane][4]`, so one 64-byte load holds four consecutive values of 16 rows.
+//!   For `vpdpbusd` (unsigned bytes × signed bytes) they are unsigned `x_q + 128`; for `sdot`
+//!   (signed × signed) they are the signed codes themselves ([`GemmActs::signed`]);
 //! - weights ([`GemmRows`]) stay rows of signed codes, four of which a kernel broadcasts to every
 //!   lane: INT8 rows are used where they are stored, INT4/INT2 rows are unpacked to bytes first,
 //!   each block's values in [`block_order`] (the order a few shifts give; the activations are
 //!   placed in the same order, as for the GEMV);
-//! - the `+ 128` is taken back exactly, per weight row and block: a block's integer sum starts
-//!   at `−128 × Σ_{i∈b} w[r, i]` ([`GemmRows::bias`]).
+//! - the `+ 128` of unsigned activations is taken back exactly, per weight row and block: a
+//!   block's integer sum starts at `−128 × Σ_{i∈b} w[r, i]` ([`GemmRows::bias`]). Both forms
+//!   give every block the same integer sum, so the same bits.
 //!
 //! Transposing the activations (n × cols bytes) rather than the weights (rows × cols) keeps the
 //! preparation off the weights, which are read once per product and are the larger operand
 //! whenever n < rows.
 //!
-//! Only x86_64 has a kernel so far (AVX-512 VNNI); elsewhere the layouts serve the scalar
-//! reference in the tests, and many-row products take dequantized tiles.
-#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+//! Kernels: AVX-512 VNNI on x86_64, `sdot` on aarch64 CPUs with `dotprod` (ARMv8.2+: a
+//! Raspberry Pi 5's Cortex-A76, Jetson Orin's A78AE). Elsewhere many-row products take
+//! dequantized tiles.
 
 use super::{block_order, scalar, BLOCK};
 use crate::quant::QuantBits;
@@ -37,24 +39,30 @@ const ACT_ZERO: i32 = 128;
 /// between products (its buffers are reused).
 #[derive(Default)]
 pub(crate) struct GemmActs {
-    /// `[groups][blocks × BLOCK / 4][LANES][4]` unsigned codes; padding (values past a row's
-    /// end, rows past the last) is `128`, a zero.
+    /// `[groups][blocks × BLOCK / 4][LANES][4]` codes, unsigned `x_q + 128` or, when
+    /// [`Self::signed`], signed `x_q` (two's complement bytes); padding (values past a row's
+    /// end, rows past the last) is a zero in that form.
     pub codes: Vec<u8>,
     /// `[groups][blocks][LANES]` block scales; 0 in padding rows.
     pub scales: Vec<f32>,
     /// Groups of [`LANES`] rows (the last one padded).
     pub groups: usize,
     pub blocks: usize,
+    /// Signed codes, taken by kernels that multiply signed bytes (no [`GemmRows::bias`]).
+    pub signed: bool,
 }
 
 impl GemmActs {
-    /// Sizes the buffers for `n` rows of `cols` values, every code a zero and every scale 0.
-    pub fn reset(&mut self, n: usize, cols: usize) {
+    /// Sizes the buffers for `n` rows of `cols` values, every code a zero (in the form `signed`
+    /// says) and every scale 0.
+    pub fn reset(&mut self, n: usize, cols: usize, signed: bool) {
         self.blocks = cols.div_ceil(BLOCK);
         self.groups = n.div_ceil(LANES);
+        self.signed = signed;
+        let zero = if signed { 0 } else { ACT_ZERO as u8 };
         self.codes.clear();
         self.codes
-            .resize(self.groups * self.blocks * BLOCK * LANES, ACT_ZERO as u8);
+            .resize(self.groups * self.blocks * BLOCK * LANES, zero);
         self.scales.clear();
         self.scales.resize(self.groups * self.blocks * LANES, 0.0);
     }
@@ -64,10 +72,38 @@ impl GemmActs {
 /// block in [`block_order`] for weights of `bits`, and transposes it into groups.
 pub(crate) type PrepareActs = fn(&[f32], usize, usize, QuantBits, &mut GemmActs);
 
-/// The reference [`PrepareActs`].
+/// The reference [`PrepareActs`] (unsigned codes).
 #[cfg(test)]
 pub(crate) fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut GemmActs) {
-    acts.reset(n, cols);
+    prepare_acts_in(x, n, cols, bits, acts, false);
+}
+
+/// [`PrepareActs`] with signed codes ([`GemmActs::signed`]), for kernels that multiply signed
+/// bytes.
+#[cfg_attr(not(any(test, target_arch = "aarch64")), allow(dead_code))]
+pub(crate) fn prepare_signed_acts(
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    bits: QuantBits,
+    acts: &mut GemmActs,
+) {
+    prepare_acts_in(x, n, cols, bits, acts, true);
+}
+
+/// Rounds each row by [`scalar::quantize_activations`] (the GEMV's rounding) and writes it into
+/// its lane, in the form `signed` says.
+#[cfg_attr(not(any(test, target_arch = "aarch64")), allow(dead_code))]
+fn prepare_acts_in(
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    bits: QuantBits,
+    acts: &mut GemmActs,
+    signed: bool,
+) {
+    acts.reset(n, cols, signed);
+    let zero = if signed { 0 } else { ACT_ZERO };
     let blocks = acts.blocks;
     let width = blocks * BLOCK;
     let (mut row_codes, mut row_scales) = (vec![0i8; width], vec![0f32; blocks]);
@@ -79,7 +115,7 @@ pub(crate) fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, ac
         for (step, four) in row_codes.chunks_exact(4).enumerate() {
             let at = base + (step * LANES + lane) * 4;
             for (dst, &q) in acts.codes[at..at + 4].iter_mut().zip(four) {
-                *dst = (i32::from(q) + ACT_ZERO) as u8;
+                *dst = (i32::from(q) + zero) as u8;
             }
         }
         for (b, &s) in row_scales.iter().enumerate() {
@@ -92,7 +128,9 @@ pub(crate) fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, ac
 pub(crate) struct GemmRows<'a> {
     /// `rows × blocks × BLOCK` signed codes (two's complement bytes), zero past `cols`.
     pub codes: &'a [u8],
-    /// `[rows][blocks]`: `−128 × Σ_{i∈b} w[r, i]`, where each block's integer sum starts.
+    /// `[rows][blocks]`: `−128 × Σ_{i∈b} w[r, i]`, where each block's integer sum starts
+    /// against unsigned activations; empty for kernels that take signed ones.
+    #[cfg_attr(not(any(test, target_arch = "x86_64")), allow(dead_code))]
     pub bias: &'a [i32],
     /// One per row.
     pub scales: &'a [f32],
@@ -101,8 +139,9 @@ pub(crate) struct GemmRows<'a> {
 }
 
 /// `out[r × stride + t] = w_scale[r] × Σ_b x_scale[t, b] × (bias[r, b] + Σ_{i∈b} w[r, i] ·
-/// (x_q[t, i] + 128))` for every weight row `r` and activation row `t < groups × LANES`
-/// (`stride` = that), with the float sum taken block after block by fused multiply-adds.
+/// (x_q[t, i] + 128))` (unsigned activations; `Σ_{i∈b} w[r, i] · x_q[t, i]` for signed ones, the
+/// same integer) for every weight row `r` and activation row `t < groups × LANES` (`stride` =
+/// that), with the float sum taken block after block by fused multiply-adds.
 pub(crate) type GemmQuant = fn(&GemmRows<'_>, &GemmActs, &mut [f32]);
 
 /// An integer GEMM kernel, the preparation of its operands, and its name.
@@ -128,10 +167,15 @@ pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
             let acts = &x.codes[group * width * LANES..(group + 1) * width * LANES];
             let mut sum = 0f32;
             for b in 0..blocks {
-                let mut int = w.bias[r * blocks + b];
+                let mut int = if x.signed { 0 } else { w.bias[r * blocks + b] };
                 for i in b * BLOCK..(b + 1) * BLOCK {
                     let a = acts[(i / 4 * LANES + lane) * 4 + i % 4];
-                    int += i32::from(row[i] as i8) * i32::from(a);
+                    let a = if x.signed {
+                        i32::from(a as i8)
+                    } else {
+                        i32::from(a)
+                    };
+                    int += i32::from(row[i] as i8) * a;
                 }
                 let scale = x.scales[(group * blocks + b) * LANES + lane];
                 sum = (int as f32).mul_add(scale, sum);
@@ -142,12 +186,13 @@ pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 }
 
 /// Unpacks `rows` packed integer rows of `cols` values into signed bytes, `blocks × BLOCK` per
-/// row (zero-padded; each block in [`block_order`]), and computes their [`GemmRows::bias`].
-/// Returns the codes: INT8 rows of whole blocks are used where they lie.
+/// row (zero-padded; each block in [`block_order`]), and computes their [`GemmRows::bias`] (left
+/// empty by kernels that take signed activations). Returns the codes: INT8 rows of whole blocks are used where they lie.
 pub(crate) type PrepareRows =
     for<'a> fn(&'a [u8], QuantBits, usize, usize, &'a mut Vec<u8>, &mut Vec<i32>) -> &'a [u8];
 
 /// The reference [`PrepareRows`].
+#[cfg_attr(not(any(test, target_arch = "x86_64")), allow(dead_code))]
 pub(crate) fn prepare_rows<'a>(
     packed: &'a [u8],
     bits: QuantBits,
@@ -184,11 +229,13 @@ pub(crate) fn unpack_values(src: &[u8], bits: QuantBits, len: usize, dst: &mut [
 }
 
 /// One block's [`GemmRows::bias`]: `−128 × Σ` of its signed codes.
+#[cfg_attr(not(any(test, target_arch = "x86_64")), allow(dead_code))]
 pub(crate) fn bias_of(block: &[u8]) -> i32 {
     -ACT_ZERO * block.iter().map(|&c| i32::from(c as i8)).sum::<i32>()
 }
 
 /// [`GemmRows::bias`] of `rows` rows of signed codes, `blocks × BLOCK` each.
+#[cfg_attr(not(any(test, target_arch = "x86_64")), allow(dead_code))]
 pub(crate) fn block_bias(codes: &[u8], rows: usize, blocks: usize, bias: &mut Vec<i32>) {
     bias.clear();
     bias.extend(

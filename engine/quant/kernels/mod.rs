@@ -9,7 +9,8 @@
 //!   [`crate::quant::matrix`]: f16/bf16 rows with f32 activations, and integer rows with INT8
 //!   activation blocks of [`BLOCK`] values;
 //! - an integer GEMM for many activation rows against integer weights ([`gemm`]: layouts and
-//!   the scalar reference; AVX-512 VNNI in [`avx512`]), where the CPU has one.
+//!   the scalar reference; AVX-512 VNNI in [`avx512`], `sdot` in [`neon`]), where the CPU has
+//!   one.
 //!
 //! Activation blocks of the dot products are stored in the order the SIMD kernels unpack
 //! weights, so no kernel shuffles in its inner loop: see [`block_order`], and [`pair_blocks`]
@@ -189,16 +190,30 @@ pub(crate) fn best() -> &'static Kernels {
     BEST.get_or_init(|| *available().last().expect("the scalar set is always there"))
 }
 
+/// Every integer GEMM kernel this CPU can run (at most one per architecture so far).
+pub(crate) fn int_gemms() -> Vec<&'static gemm::IntGemm> {
+    #[allow(unused_mut)]
+    let mut kernels = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    if avx512::supported() {
+        kernels.push(&avx512::INT_GEMM);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if neon::dotprod_supported() {
+        kernels.push(&neon::INT_GEMM_DOTPROD);
+    }
+    kernels
+}
+
 /// The integer GEMM kernel this CPU runs, if any (detected once). Without one, many-row products
 /// on integer weights take dequantized tiles and libtorch's f32 GEMM; `EDGEMOE_INT_GEMM=off`
 /// asks for that path on any CPU (to compare the two on one machine).
 pub(crate) fn int_gemm() -> Option<&'static gemm::IntGemm> {
     static INT_GEMM: OnceLock<Option<&'static gemm::IntGemm>> = OnceLock::new();
     *INT_GEMM.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        if avx512::supported() && std::env::var_os("EDGEMOE_INT_GEMM").is_none_or(|v| v != "off") {
-            return Some(&avx512::INT_GEMM);
+        if std::env::var_os("EDGEMOE_INT_GEMM").is_some_and(|v| v == "off") {
+            return None;
         }
-        None
+        int_gemms().last().copied()
     })
 }

@@ -1,4 +1,5 @@
-//! NEON kernels (always present on aarch64): 16 packed bytes per step, the rest scalar.
+//! NEON kernels (always present on aarch64): 16 packed bytes per step, the rest scalar; with
+//! `dotprod` (ARMv8.2+), `sdot` dot products and the integer GEMM of [`super::gemm`].
 
 use std::arch::aarch64::*;
 
@@ -95,6 +96,7 @@ fn store16(codes: int8x16_t, s: float32x4_t, o: &mut [f32; 16]) {
 
 use std::arch::asm;
 
+use super::gemm::{self, GemmActs, GemmRows, IntGemm, LANES};
 use super::{scalar as reference, Kernels, BLOCK};
 
 /// Whether this CPU runs [`KERNELS_DOTPROD`] (`sdot`, ARMv8.2+; a Cortex-A72 has none).
@@ -314,4 +316,199 @@ fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
         vaddq_f32(acc[0], acc[1]),
         vaddq_f32(acc[2], acc[3]),
     )) + reference::dot_f32(&row[head * 4..], &x[head..])
+}
+
+// ---- the integer GEMM (`dotprod`) ----
+
+/// Weight rows per micro-kernel call: with 16 activation rows (four registers of i32 lanes),
+/// each weight row holds 4 integer and 4 float accumulators.
+const GEMM_MAX_ROWS: usize = 3;
+
+/// The integer GEMM of [`super::gemm`] on `sdot` by element: signed activation codes (no bias),
+/// so one 16-byte load of a weight row serves four steps of four values.
+pub(crate) static INT_GEMM_DOTPROD: IntGemm = IntGemm {
+    name: "neon-dotprod",
+    prepare_acts: gemm::prepare_signed_acts,
+    // SAFETY: NEON is part of the aarch64 baseline.
+    prepare_rows: |packed, bits, cols, rows, codes, bias| unsafe {
+        prepare_rows(packed, bits, cols, rows, codes, bias)
+    },
+    // SAFETY: this kernel is only chosen when `dotprod_supported()` said yes.
+    run: |w, x, out| unsafe { gemm_quant_sdot(w, x, out) },
+};
+
+/// [`gemm::prepare_rows`] without the bias (the activations are signed), whole blocks unpacked
+/// by [`unpack_block`].
+#[target_feature(enable = "neon")]
+fn prepare_rows<'a>(
+    packed: &'a [u8],
+    bits: QuantBits,
+    cols: usize,
+    rows: usize,
+    codes: &'a mut Vec<u8>,
+    bias: &mut Vec<i32>,
+) -> &'a [u8] {
+    bias.clear();
+    let blocks = cols.div_ceil(BLOCK);
+    let width = blocks * BLOCK;
+    if bits == QuantBits::Int8 && cols == width {
+        return &packed[..rows * width];
+    }
+    let (full, block_bytes) = (cols / BLOCK, BLOCK * bits.bits() as usize / 8);
+    codes.clear();
+    codes.resize(rows * width, 0);
+    for (src, dst) in packed
+        .chunks_exact(bits.row_bytes(cols))
+        .zip(codes.chunks_exact_mut(width))
+        .take(rows)
+    {
+        for (w, out) in src
+            .chunks_exact(block_bytes)
+            .zip(dst.as_chunks_mut::<BLOCK>().0)
+            .take(full)
+        {
+            let (w0, w1) = unpack_block(w, bits);
+            // SAFETY: 32 writable bytes (a block of `dst`).
+            unsafe {
+                vst1q_s8(out.as_mut_ptr().cast(), w0);
+                vst1q_s8(out.as_mut_ptr().add(16).cast(), w1);
+            }
+        }
+        if full < blocks {
+            let tail = &src[full * block_bytes..];
+            gemm::unpack_values(tail, bits, cols - full * BLOCK, &mut dst[full * BLOCK..]);
+        }
+    }
+    codes
+}
+
+/// `acc + Σ a[4i..4i+4] · b[4L..4L+4]` per lane `i` (`sdot` by element: four bytes of `b`
+/// against every lane of `a`).
+#[target_feature(enable = "neon,dotprod")]
+fn sdot_lane<const L: i32>(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: `sdot` only reads and writes these registers; the CPU has `dotprod` (the caller's
+    // target feature).
+    unsafe {
+        asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.4b[{l}]",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            l = const L,
+            options(pure, nomem, nostack)
+        )
+    };
+    acc
+}
+
+/// One step of four values of a [`tile`]: `ints[j][v] += sdot(a[v], four codes L of row j)`.
+// Index loops: `[j][v]` names a register of the tile.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "neon,dotprod")]
+fn dot_step<const L: i32, const R: usize>(
+    ints: &mut [[int32x4_t; 4]; R],
+    a: [int8x16_t; 4],
+    wv: &[int8x16_t; R],
+) {
+    for j in 0..R {
+        for v in 0..4 {
+            ints[j][v] = sdot_lane::<L>(ints[j][v], a[v], wv[j]);
+        }
+    }
+}
+
+#[target_feature(enable = "neon,dotprod")]
+fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
+    let width = w.blocks * BLOCK;
+    let stride = x.groups * LANES;
+    assert!(x.signed, "the sdot GEMM takes signed activation codes");
+    assert_eq!(x.blocks, w.blocks);
+    assert!(w.codes.len() >= w.rows * width && w.scales.len() >= w.rows);
+    assert!(x.codes.len() >= x.groups * width * LANES);
+    assert!(x.scales.len() >= x.groups * w.blocks * LANES && out.len() >= w.rows * stride);
+    let mut r = 0;
+    while r < w.rows {
+        let rows = (w.rows - r).min(GEMM_MAX_ROWS);
+        for g in 0..x.groups {
+            // SAFETY: rows r..r + rows and group g lie inside the operands and `out`, whose
+            // lengths are asserted above.
+            unsafe {
+                match rows {
+                    3 => tile::<3>(w, x, r, g, out),
+                    2 => tile::<2>(w, x, r, g, out),
+                    _ => tile::<1>(w, x, r, g, out),
+                }
+            }
+        }
+        r += rows;
+    }
+}
+
+/// Weight rows `r0..r0 + R` against the 16 activation rows of group `g`: per step of four
+/// values, one 64-byte load of the group's codes (four lanes per register) and `sdot`s by
+/// element against each weight row's four codes; per block, the integer sums turned into f32
+/// with the block's activation scales, as the reference adds them.
+///
+/// # Safety
+/// Rows `r0..r0 + R` and group `g` lie inside the operands and `out` (lengths as
+/// [`gemm_quant_sdot`] asserts).
+// Index loops: `[j][v]` names a register of the tile.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn tile<const R: usize>(
+    w: &GemmRows<'_>,
+    x: &GemmActs,
+    r0: usize,
+    g: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: see the function's contract; every offset below stays inside rows r0..r0 + R of
+    // `w` and group g of `x`.
+    unsafe {
+        let blocks = w.blocks;
+        let width = blocks * BLOCK;
+        let stride = x.groups * LANES;
+        let weights = w.codes.as_ptr().add(r0 * width).cast::<i8>();
+        let acts = x.codes.as_ptr().add(g * width * LANES).cast::<i8>();
+        let act_scales = x.scales.as_ptr().add(g * blocks * LANES);
+        let mut sums = [[vdupq_n_f32(0.0); 4]; R];
+        for b in 0..blocks {
+            let mut ints = [[vdupq_n_s32(0); 4]; R];
+            for half in 0..2 {
+                let k = b * BLOCK + half * 16;
+                let mut wv = [vdupq_n_s8(0); R];
+                for j in 0..R {
+                    wv[j] = vld1q_s8(weights.add(j * width + k));
+                }
+                let step = |s: usize| {
+                    let at = acts.add((k + 4 * s) * LANES);
+                    [
+                        vld1q_s8(at),
+                        vld1q_s8(at.add(16)),
+                        vld1q_s8(at.add(32)),
+                        vld1q_s8(at.add(48)),
+                    ]
+                };
+                dot_step::<0, R>(&mut ints, step(0), &wv);
+                dot_step::<1, R>(&mut ints, step(1), &wv);
+                dot_step::<2, R>(&mut ints, step(2), &wv);
+                dot_step::<3, R>(&mut ints, step(3), &wv);
+            }
+            for v in 0..4 {
+                let scale = vld1q_f32(act_scales.add(b * LANES + 4 * v));
+                for j in 0..R {
+                    sums[j][v] = vfmaq_f32(sums[j][v], vcvtq_f32_s32(ints[j][v]), scale);
+                }
+            }
+        }
+        let o = out.as_mut_ptr();
+        for j in 0..R {
+            let scale = vdupq_n_f32(*w.scales.as_ptr().add(r0 + j));
+            for v in 0..4 {
+                let at = (r0 + j) * stride + g * LANES + 4 * v;
+                vst1q_f32(o.add(at), vmulq_f32(sums[j][v], scale));
+            }
+        }
+    }
 }
