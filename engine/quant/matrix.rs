@@ -9,7 +9,7 @@
 //!   (one f32 scale per block, as llama.cpp's Q8_0) and take integer dot products per block:
 //!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
 //! - **GEMM** (prefill, the encoder): integer formats take the integer GEMM of
-//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` on aarch64): activations rounded to INT8 blocks as
+//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` or `smmla` on aarch64): activations rounded to INT8 blocks as
 //!   for the GEMV, the same integer block sums, no weight expanded. Otherwise (float formats,
 //!   other CPUs) tiles of [`TILE_ROWS`] weight rows are dequantized into a small scratch and
 //!   multiplied by libtorch's GEMM (f32 weights are used in place).
@@ -732,7 +732,7 @@ pub fn matmul_kernel() -> &'static str {
     kernels::best().name
 }
 
-/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"neon-dotprod"`), or `None` (dequantized tiles and
+/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"neon-dotprod"`, `"neon-i8mm"`), or `None` (dequantized tiles and
 /// libtorch's f32 GEMM).
 pub fn int_gemm_kernel() -> Option<&'static str> {
     kernels::int_gemm().map(|k| k.name)
@@ -742,12 +742,15 @@ pub fn int_gemm_kernel() -> Option<&'static str> {
 mod tests {
     use super::*;
     use crate::quant::kernels::gemm as int_gemm;
+    use crate::quant::kernels::gemm::ActLayout;
     use crate::quant::parallel::set_compute_threads;
 
     /// The integer GEMM's scalar reference as a kernel.
     static SCALAR_GEMM: IntGemm = IntGemm {
         name: "scalar",
-        prepare_acts: int_gemm::prepare_acts,
+        prepare_acts: |x, n, cols, bits, acts| {
+            int_gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::Unsigned)
+        },
         prepare_rows: int_gemm::prepare_rows,
         run: int_gemm::gemm_quant,
     };
@@ -877,24 +880,20 @@ mod tests {
     }
 
     /// `x · wᵀ` by the scalar integer GEMM over the whole matrix at once (no tiles, no threads),
-    /// on unsigned activation codes and the bias, or on signed ones.
+    /// on activation codes in `layout` (unsigned ones with the bias).
     fn int_gemm_whole(
         x: &[f32],
         n: usize,
         w: &MatrixRef<'_>,
         bits: QuantBits,
-        signed: bool,
+        layout: ActLayout,
     ) -> Vec<f32> {
         let (rows, cols) = (w.rows(), w.cols());
         let mut acts = GemmActs::default();
-        if signed {
-            int_gemm::prepare_signed_acts(x, n, cols, bits, &mut acts);
-        } else {
-            int_gemm::prepare_acts(x, n, cols, bits, &mut acts);
-        }
+        int_gemm::prepare_acts(x, n, cols, bits, &mut acts, layout);
         let (mut codes, mut bias) = (Vec::new(), Vec::new());
         let codes = int_gemm::prepare_rows(w.data(), bits, cols, rows, &mut codes, &mut bias);
-        if signed {
+        if layout.signed() {
             bias.clear();
         }
         let tile = GemmRows {
@@ -940,7 +939,7 @@ mod tests {
                     let w = MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales)
                         .unwrap();
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 3.0).collect();
-                    let want = int_gemm_whole(&x, n, &w, bits, false);
+                    let want = int_gemm_whole(&x, n, &w, bits, ActLayout::Unsigned);
                     let mut got = vec![f32::NAN; n * rows];
                     gemm_int(&x, n, w, bits, int, &mut got);
                     let same = got
@@ -953,10 +952,11 @@ mod tests {
         }
     }
 
-    /// The reference GEMM gives the same bits on signed activation codes (no bias) as on
-    /// unsigned ones with the bias: the two forms the kernels take are one integer sum.
+    /// The reference GEMM gives the same bits on signed activation codes (no bias), in either
+    /// signed layout, as on unsigned ones with the bias: the forms the kernels take are one
+    /// integer sum.
     #[test]
-    fn signed_and_unsigned_activations_give_the_same_bits() {
+    fn every_activation_layout_gives_the_same_bits() {
         let mut rng = Rng(29);
         for bits in QuantBits::ALL {
             for (rows, cols, n) in [(5, 64, 17), (9, 100, 8), (3, 32, 40)] {
@@ -965,18 +965,20 @@ mod tests {
                 let w =
                     MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales).unwrap();
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 5.0).collect();
-                let unsigned = int_gemm_whole(&x, n, &w, bits, false);
-                let signed = int_gemm_whole(&x, n, &w, bits, true);
+                let unsigned = int_gemm_whole(&x, n, &w, bits, ActLayout::Unsigned);
                 assert!(
                     unsigned.iter().any(|v| *v != 0.0),
                     "{} all zero",
                     bits.name()
                 );
-                let same = unsigned
-                    .iter()
-                    .zip(&signed)
-                    .all(|(u, s)| u.to_bits() == s.to_bits());
-                assert!(same, "{} [{rows}, {cols}] n={n}", bits.name());
+                for layout in [ActLayout::Signed, ActLayout::SignedPairs] {
+                    let signed = int_gemm_whole(&x, n, &w, bits, layout);
+                    let same = unsigned
+                        .iter()
+                        .zip(&signed)
+                        .all(|(u, s)| u.to_bits() == s.to_bits());
+                    assert!(same, "{layout:?} {} [{rows}, {cols}] n={n}", bits.name());
+                }
             }
         }
     }
@@ -1124,7 +1126,7 @@ mod tests {
                 // The integer GEMM: each output is one kernel's sum over its whole row.
                 for n in [GEMM_MIN_ROWS, 37] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
-                    let want = int_gemm_whole(&x, n, &w.view(), bits, false);
+                    let want = int_gemm_whole(&x, n, &w.view(), bits, ActLayout::Unsigned);
                     assert_matmul_gives(&x, n, &w, &want, "integer GEMM");
                 }
                 continue;

@@ -216,7 +216,7 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
 /// row's lane.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut GemmActs) {
-    acts.reset(n, cols, false);
+    acts.reset(n, cols, gemm::ActLayout::Unsigned);
     let blocks = acts.blocks;
     let width = blocks * BLOCK;
     assert!(x.len() >= n * cols && acts.codes.len() >= n.div_ceil(LANES) * width * LANES);

@@ -10,7 +10,8 @@
 //! - activations ([`GemmActs`]) are transposed once per product into groups of [`LANES`] rows:
 //!   `[group][cols / 4][lane][4]`, so one 64-byte load holds four consecutive values of 16 rows.
 //!   For `vpdpbusd` (unsigned bytes × signed bytes) they are unsigned `x_q + 128`; for `sdot`
-//!   (signed × signed) they are the signed codes themselves ([`GemmActs::signed`]);
+//!   (signed × signed) they are the signed codes themselves. `smmla` (a 2 × 8 by 8 × 2 matrix
+//!   product) takes eight values of two rows per 16 bytes instead ([`ActLayout`]);
 //! - weights ([`GemmRows`]) stay rows of signed codes, four of which a kernel broadcasts to every
 //!   lane: INT8 rows are used where they are stored, INT4/INT2 rows are unpacked to bytes first,
 //!   each block's values in [`block_order`] (the order a few shifts give; the activations are
@@ -23,9 +24,9 @@
 //! preparation off the weights, which are read once per product and are the larger operand
 //! whenever n < rows.
 //!
-//! Kernels: AVX-512 VNNI on x86_64, `sdot` on aarch64 CPUs with `dotprod` (ARMv8.2+: a
-//! Raspberry Pi 5's Cortex-A76, Jetson Orin's A78AE). Elsewhere many-row products take
-//! dequantized tiles.
+//! Kernels: AVX-512 VNNI on x86_64; on aarch64, `smmla` where the CPU has `i8mm` (ARMv8.6+) and
+//! otherwise `sdot` where it has `dotprod` (ARMv8.2+: a Raspberry Pi 5's Cortex-A76, Jetson
+//! Orin's A78AE). Elsewhere many-row products take dequantized tiles.
 
 use super::{block_order, scalar, BLOCK};
 use crate::quant::QuantBits;
@@ -35,34 +36,73 @@ pub(crate) const LANES: usize = 16;
 /// What the activations' unsigned codes add to the signed ones.
 const ACT_ZERO: i32 = 128;
 
+/// How [`GemmActs::codes`] holds a group of [`LANES`] activation rows, for the instruction that
+/// reads them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum ActLayout {
+    /// `[cols / 4][lane][4]`, unsigned `x_q + 128`: `vpdpbusd` (unsigned × signed bytes).
+    #[default]
+    Unsigned,
+    /// `[cols / 4][lane][4]`, signed `x_q`: `sdot`.
+    #[cfg_attr(not(any(test, target_arch = "aarch64")), allow(dead_code))]
+    Signed,
+    /// `[cols / 8][lane / 2][2][8]`, signed `x_q`: each 16 bytes hold eight values of two rows,
+    /// the 2 × 8 operand of `smmla`.
+    #[cfg_attr(not(any(test, target_arch = "aarch64")), allow(dead_code))]
+    SignedPairs,
+}
+
+impl ActLayout {
+    /// Codes are signed (no [`GemmRows::bias`]).
+    pub fn signed(self) -> bool {
+        self != ActLayout::Unsigned
+    }
+
+    /// The code of a zero.
+    fn zero(self) -> i32 {
+        if self.signed() {
+            0
+        } else {
+            ACT_ZERO
+        }
+    }
+
+    /// Where value `i` of lane `lane` lies in its group's codes.
+    pub fn at(self, lane: usize, i: usize) -> usize {
+        match self {
+            ActLayout::Unsigned | ActLayout::Signed => (i / 4 * LANES + lane) * 4 + i % 4,
+            ActLayout::SignedPairs => ((i / 8 * (LANES / 2) + lane / 2) * 2 + lane % 2) * 8 + i % 8,
+        }
+    }
+}
+
 /// Activation rows rounded to INT8 blocks and laid out for the kernels (see the module). Kept
 /// between products (its buffers are reused).
 #[derive(Default)]
 pub(crate) struct GemmActs {
-    /// `[groups][blocks × BLOCK / 4][LANES][4]` codes, unsigned `x_q + 128` or, when
-    /// [`Self::signed`], signed `x_q` (two's complement bytes); padding (values past a row's
-    /// end, rows past the last) is a zero in that form.
+    /// `[groups][blocks × BLOCK × LANES]` codes in [`Self::layout`]; padding (values past a
+    /// row's end, rows past the last) is a zero in that form.
     pub codes: Vec<u8>,
     /// `[groups][blocks][LANES]` block scales; 0 in padding rows.
     pub scales: Vec<f32>,
     /// Groups of [`LANES`] rows (the last one padded).
     pub groups: usize,
     pub blocks: usize,
-    /// Signed codes, taken by kernels that multiply signed bytes (no [`GemmRows::bias`]).
-    pub signed: bool,
+    pub layout: ActLayout,
 }
 
 impl GemmActs {
-    /// Sizes the buffers for `n` rows of `cols` values, every code a zero (in the form `signed`
-    /// says) and every scale 0.
-    pub fn reset(&mut self, n: usize, cols: usize, signed: bool) {
+    /// Sizes the buffers for `n` rows of `cols` values in `layout`, every code a zero and every
+    /// scale 0.
+    pub fn reset(&mut self, n: usize, cols: usize, layout: ActLayout) {
         self.blocks = cols.div_ceil(BLOCK);
         self.groups = n.div_ceil(LANES);
-        self.signed = signed;
-        let zero = if signed { 0 } else { ACT_ZERO as u8 };
+        self.layout = layout;
         self.codes.clear();
-        self.codes
-            .resize(self.groups * self.blocks * BLOCK * LANES, zero);
+        self.codes.resize(
+            self.groups * self.blocks * BLOCK * LANES,
+            layout.zero() as u8,
+        );
         self.scales.clear();
         self.scales.resize(self.groups * self.blocks * LANES, 0.0);
     }
@@ -72,38 +112,19 @@ impl GemmActs {
 /// block in [`block_order`] for weights of `bits`, and transposes it into groups.
 pub(crate) type PrepareActs = fn(&[f32], usize, usize, QuantBits, &mut GemmActs);
 
-/// The reference [`PrepareActs`] (unsigned codes).
-#[cfg(test)]
-pub(crate) fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut GemmActs) {
-    prepare_acts_in(x, n, cols, bits, acts, false);
-}
-
-/// [`PrepareActs`] with signed codes ([`GemmActs::signed`]), for kernels that multiply signed
-/// bytes.
-#[cfg_attr(not(any(test, target_arch = "aarch64")), allow(dead_code))]
-pub(crate) fn prepare_signed_acts(
-    x: &[f32],
-    n: usize,
-    cols: usize,
-    bits: QuantBits,
-    acts: &mut GemmActs,
-) {
-    prepare_acts_in(x, n, cols, bits, acts, true);
-}
-
 /// Rounds each row by [`scalar::quantize_activations`] (the GEMV's rounding) and writes it into
-/// its lane, in the form `signed` says.
+/// its lane in `layout`: the reference [`PrepareActs`] for every layout, and the NEON kernels'.
 #[cfg_attr(not(any(test, target_arch = "aarch64")), allow(dead_code))]
-fn prepare_acts_in(
+pub(crate) fn prepare_acts(
     x: &[f32],
     n: usize,
     cols: usize,
     bits: QuantBits,
     acts: &mut GemmActs,
-    signed: bool,
+    layout: ActLayout,
 ) {
-    acts.reset(n, cols, signed);
-    let zero = if signed { 0 } else { ACT_ZERO };
+    acts.reset(n, cols, layout);
+    let zero = layout.zero();
     let blocks = acts.blocks;
     let width = blocks * BLOCK;
     let (mut row_codes, mut row_scales) = (vec![0i8; width], vec![0f32; blocks]);
@@ -111,12 +132,9 @@ fn prepare_acts_in(
         row_codes.fill(0);
         scalar::quantize_activations(row, bits, &mut row_codes, &mut row_scales);
         let (group, lane) = (t / LANES, t % LANES);
-        let base = group * width * LANES;
-        for (step, four) in row_codes.chunks_exact(4).enumerate() {
-            let at = base + (step * LANES + lane) * 4;
-            for (dst, &q) in acts.codes[at..at + 4].iter_mut().zip(four) {
-                *dst = (i32::from(q) + zero) as u8;
-            }
+        let codes = &mut acts.codes[group * width * LANES..(group + 1) * width * LANES];
+        for (i, &q) in row_codes.iter().enumerate() {
+            codes[layout.at(lane, i)] = (i32::from(q) + zero) as u8;
         }
         for (b, &s) in row_scales.iter().enumerate() {
             acts.scales[(group * blocks + b) * LANES + lane] = s;
@@ -167,10 +185,11 @@ pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
             let acts = &x.codes[group * width * LANES..(group + 1) * width * LANES];
             let mut sum = 0f32;
             for b in 0..blocks {
-                let mut int = if x.signed { 0 } else { w.bias[r * blocks + b] };
+                let signed = x.layout.signed();
+                let mut int = if signed { 0 } else { w.bias[r * blocks + b] };
                 for i in b * BLOCK..(b + 1) * BLOCK {
-                    let a = acts[(i / 4 * LANES + lane) * 4 + i % 4];
-                    let a = if x.signed {
+                    let a = acts[x.layout.at(lane, i)];
+                    let a = if signed {
                         i32::from(a as i8)
                     } else {
                         i32::from(a)

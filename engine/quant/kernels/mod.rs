@@ -9,8 +9,8 @@
 //!   [`crate::quant::matrix`]: f16/bf16 rows with f32 activations, and integer rows with INT8
 //!   activation blocks of [`BLOCK`] values;
 //! - an integer GEMM for many activation rows against integer weights ([`gemm`]: layouts and
-//!   the scalar reference; AVX-512 VNNI in [`avx512`], `sdot` in [`neon`]), where the CPU has
-//!   one.
+//!   the scalar reference; AVX-512 VNNI in [`avx512`], `sdot` and `smmla` in [`neon`]), where
+//!   the CPU has one.
 //!
 //! Activation blocks of the dot products are stored in the order the SIMD kernels unpack
 //! weights, so no kernel shuffles in its inner loop: see [`block_order`], and [`pair_blocks`]
@@ -190,7 +190,7 @@ pub(crate) fn best() -> &'static Kernels {
     BEST.get_or_init(|| *available().last().expect("the scalar set is always there"))
 }
 
-/// Every integer GEMM kernel this CPU can run (at most one per architecture so far).
+/// Every integer GEMM kernel this CPU can run, the fastest last.
 pub(crate) fn int_gemms() -> Vec<&'static gemm::IntGemm> {
     #[allow(unused_mut)]
     let mut kernels = Vec::new();
@@ -199,8 +199,13 @@ pub(crate) fn int_gemms() -> Vec<&'static gemm::IntGemm> {
         kernels.push(&avx512::INT_GEMM);
     }
     #[cfg(target_arch = "aarch64")]
-    if neon::dotprod_supported() {
-        kernels.push(&neon::INT_GEMM_DOTPROD);
+    {
+        if neon::dotprod_supported() {
+            kernels.push(&neon::INT_GEMM_DOTPROD);
+        }
+        if neon::i8mm_supported() {
+            kernels.push(&neon::INT_GEMM_I8MM);
+        }
     }
     kernels
 }

@@ -1,5 +1,6 @@
 //! NEON kernels (always present on aarch64): 16 packed bytes per step, the rest scalar; with
-//! `dotprod` (ARMv8.2+), `sdot` dot products and the integer GEMM of [`super::gemm`].
+//! `dotprod` (ARMv8.2+), `sdot` dot products and the integer GEMM of [`super::gemm`]; with
+//! `i8mm` (ARMv8.6+), that GEMM on `smmla`.
 
 use std::arch::aarch64::*;
 
@@ -96,7 +97,7 @@ fn store16(codes: int8x16_t, s: float32x4_t, o: &mut [f32; 16]) {
 
 use std::arch::asm;
 
-use super::gemm::{self, GemmActs, GemmRows, IntGemm, LANES};
+use super::gemm::{self, ActLayout, GemmActs, GemmRows, IntGemm, LANES};
 use super::{scalar as reference, Kernels, BLOCK};
 
 /// Whether this CPU runs [`KERNELS_DOTPROD`] (`sdot`, ARMv8.2+; a Cortex-A72 has none).
@@ -328,13 +329,37 @@ const GEMM_MAX_ROWS: usize = 3;
 /// so one 16-byte load of a weight row serves four steps of four values.
 pub(crate) static INT_GEMM_DOTPROD: IntGemm = IntGemm {
     name: "neon-dotprod",
-    prepare_acts: gemm::prepare_signed_acts,
+    prepare_acts: |x, n, cols, bits, acts| {
+        gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::Signed)
+    },
     // SAFETY: NEON is part of the aarch64 baseline.
     prepare_rows: |packed, bits, cols, rows, codes, bias| unsafe {
         prepare_rows(packed, bits, cols, rows, codes, bias)
     },
     // SAFETY: this kernel is only chosen when `dotprod_supported()` said yes.
     run: |w, x, out| unsafe { gemm_quant_sdot(w, x, out) },
+};
+
+/// Whether this CPU runs [`INT_GEMM_I8MM`] (`smmla`, ARMv8.6+: Cortex-A710/X2 and later,
+/// Neoverse V1/N2).
+pub(crate) fn i8mm_supported() -> bool {
+    std::arch::is_aarch64_feature_detected!("i8mm")
+}
+
+/// The integer GEMM of [`super::gemm`] on `smmla`: each instruction multiplies eight values of
+/// two weight rows by eight values of two activation rows (32 products, twice `sdot`'s), on
+/// activations in [`ActLayout::SignedPairs`].
+pub(crate) static INT_GEMM_I8MM: IntGemm = IntGemm {
+    name: "neon-i8mm",
+    prepare_acts: |x, n, cols, bits, acts| {
+        gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::SignedPairs)
+    },
+    // SAFETY: NEON is part of the aarch64 baseline.
+    prepare_rows: |packed, bits, cols, rows, codes, bias| unsafe {
+        prepare_rows(packed, bits, cols, rows, codes, bias)
+    },
+    // SAFETY: this kernel is only chosen when `i8mm_supported()` said yes.
+    run: |w, x, out| unsafe { gemm_quant_mmla(w, x, out) },
 };
 
 /// [`gemm::prepare_rows`] without the bias (the activations are signed), whole blocks unpacked
@@ -422,7 +447,7 @@ fn dot_step<const L: i32, const R: usize>(
 fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     let width = w.blocks * BLOCK;
     let stride = x.groups * LANES;
-    assert!(x.signed, "the sdot GEMM takes signed activation codes");
+    assert_eq!(x.layout, ActLayout::Signed);
     assert_eq!(x.blocks, w.blocks);
     assert!(w.codes.len() >= w.rows * width && w.scales.len() >= w.rows);
     assert!(x.codes.len() >= x.groups * width * LANES);
@@ -508,6 +533,140 @@ unsafe fn tile<const R: usize>(
             for v in 0..4 {
                 let at = (r0 + j) * stride + g * LANES + 4 * v;
                 vst1q_f32(o.add(at), vmulq_f32(sums[j][v], scale));
+            }
+        }
+    }
+}
+
+/// `acc + a · bᵀ`, with `a` and `b` each two rows of eight bytes and `acc` the 2 × 2 sums
+/// `[a0·b0, a0·b1, a1·b0, a1·b1]` (`smmla`).
+#[target_feature(enable = "neon,i8mm")]
+fn smmla(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: `smmla` only reads and writes these registers; the CPU has `i8mm` (the caller's
+    // target feature).
+    unsafe {
+        asm!(
+            "smmla {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack)
+        )
+    };
+    acc
+}
+
+/// Pairs of weight rows per `smmla` micro-kernel call.
+const MMLA_MAX_PAIRS: usize = 2;
+/// Pairs of activation rows per `smmla` micro-kernel call (half a group).
+const MMLA_LANE_PAIRS: usize = LANES / 4;
+
+#[target_feature(enable = "neon,i8mm")]
+fn gemm_quant_mmla(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
+    let width = w.blocks * BLOCK;
+    let stride = x.groups * LANES;
+    assert_eq!(x.layout, ActLayout::SignedPairs);
+    assert_eq!(x.blocks, w.blocks);
+    assert!(w.codes.len() >= w.rows * width && w.scales.len() >= w.rows);
+    assert!(x.codes.len() >= x.groups * width * LANES);
+    assert!(x.scales.len() >= x.groups * w.blocks * LANES && out.len() >= w.rows * stride);
+    let mut r = 0;
+    while r < w.rows {
+        let rows = (w.rows - r).min(2 * MMLA_MAX_PAIRS);
+        for g in 0..x.groups {
+            for half in 0..2 {
+                // SAFETY: rows r..r + rows and group g lie inside the operands and `out`, whose
+                // lengths are asserted above.
+                unsafe {
+                    if rows > 2 {
+                        mmla_tile::<2>(w, x, r, rows, g, half, out)
+                    } else {
+                        mmla_tile::<1>(w, x, r, rows, g, half, out)
+                    }
+                }
+            }
+        }
+        r += rows;
+    }
+}
+
+/// Weight rows `r0..r0 + rows` (in `P` pairs; an odd last row is paired with itself and its
+/// copy's sums dropped) against half `half` of group `g`'s activation rows: per step of eight
+/// values, one `smmla` per pair of weight rows and pair of activation rows; per block, the
+/// integer sums turned into f32 with the block's activation scales, as the reference adds them.
+///
+/// # Safety
+/// Rows `r0..r0 + rows` (`rows ≤ 2P`) and group `g` lie inside the operands and `out` (lengths as
+/// [`gemm_quant_mmla`] asserts).
+// Index loops: `[p][h]` names a register of the tile.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "neon,i8mm")]
+unsafe fn mmla_tile<const P: usize>(
+    w: &GemmRows<'_>,
+    x: &GemmActs,
+    r0: usize,
+    rows: usize,
+    g: usize,
+    half: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: see the function's contract; every offset below stays inside rows r0..r0 + rows of
+    // `w` and group g of `x`.
+    unsafe {
+        let blocks = w.blocks;
+        let width = blocks * BLOCK;
+        let stride = x.groups * LANES;
+        // Row `2p + i` of the tile, the last real row standing in for a missing one.
+        let row = |p: usize, i: usize| {
+            w.codes
+                .as_ptr()
+                .add((r0 + (2 * p + i).min(rows - 1)) * width)
+        };
+        let rows_of: [[*const u8; 2]; P] = std::array::from_fn(|p| [row(p, 0), row(p, 1)]);
+        let first_pair = half * MMLA_LANE_PAIRS;
+        let acts = x.codes.as_ptr().add(g * width * LANES).cast::<i8>();
+        let act_scales = x.scales.as_ptr().add(g * blocks * LANES + 2 * first_pair);
+        let mut sums = [[vdupq_n_f32(0.0); MMLA_LANE_PAIRS]; P];
+        for b in 0..blocks {
+            let mut ints = [[vdupq_n_s32(0); MMLA_LANE_PAIRS]; P];
+            for step in 0..BLOCK / 8 {
+                let k = b * BLOCK + step * 8;
+                let at = acts.add((k / 8 * (LANES / 2) + first_pair) * 16);
+                let a: [int8x16_t; MMLA_LANE_PAIRS] =
+                    std::array::from_fn(|h| vld1q_s8(at.add(16 * h)));
+                for p in 0..P {
+                    let [r_a, r_b] = rows_of[p];
+                    let wv = vcombine_s8(vld1_s8(r_a.add(k).cast()), vld1_s8(r_b.add(k).cast()));
+                    for h in 0..MMLA_LANE_PAIRS {
+                        ints[p][h] = smmla(ints[p][h], wv, a[h]);
+                    }
+                }
+            }
+            for h in 0..MMLA_LANE_PAIRS {
+                let two = vld1_f32(act_scales.add(b * LANES + 2 * h));
+                let scale = vcombine_f32(two, two);
+                for p in 0..P {
+                    sums[p][h] = vfmaq_f32(sums[p][h], vcvtq_f32_s32(ints[p][h]), scale);
+                }
+            }
+        }
+        let o = out.as_mut_ptr();
+        for p in 0..P {
+            let (ra, rb) = (r0 + 2 * p, r0 + 2 * p + 1);
+            if ra >= r0 + rows {
+                break;
+            }
+            let wa = *w.scales.as_ptr().add(ra);
+            let wb = *w.scales.as_ptr().add(rb.min(r0 + rows - 1));
+            let scale = vcombine_f32(vdup_n_f32(wa), vdup_n_f32(wb));
+            for h in 0..MMLA_LANE_PAIRS {
+                let v = vmulq_f32(sums[p][h], scale);
+                let col = g * LANES + 2 * (first_pair + h);
+                vst1_f32(o.add(ra * stride + col), vget_low_f32(v));
+                if rb < r0 + rows {
+                    vst1_f32(o.add(rb * stride + col), vget_high_f32(v));
+                }
             }
         }
     }
