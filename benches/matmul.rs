@@ -163,8 +163,12 @@ fn streamed(c: &mut Criterion) {
     };
     for (name, rows, cols) in [("expert", 1024, 2048), ("lm-head", 50304, 2048)] {
         let w = weights(rows * cols);
-        for bits in [QuantBits::Int8, QuantBits::Int4, QuantBits::Int2] {
-            let format = MatrixFormat::Quant(bits);
+        for format in [
+            MatrixFormat::Quant(QuantBits::Int8),
+            MatrixFormat::Quant(QuantBits::Int4),
+            MatrixFormat::Quant(QuantBits::Int2),
+            MatrixFormat::F16,
+        ] {
             let one = PackedMatrix::encode(&w, rows, cols, format).unwrap();
             let bytes = one.view().stored_bytes();
             let count = (512usize << 20).div_ceil(bytes).max(2);
