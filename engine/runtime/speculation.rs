@@ -24,9 +24,13 @@
 //! Within a layer that speculates, each prediction is read only if its expected saving beats
 //! its expected cost ([`Speculation::worth_reading`]): its probability times the share of a
 //! read this layer's right guesses have saved, against the chance it is wrong times its share
-//! of the device.
+//! of the device. Until a layer has a right guess to measure, that share is the time from its
+//! predictions to its routing (what a read started then overlaps) over a read's time, measured
+//! on this layer or, before its first routing, on the others: on an SD card whose read is 17
+//! times a layer's compute, the first reads are not taken on trust.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
 
 use crate::ids::{ExpertId, Stack};
 
@@ -44,13 +48,16 @@ struct LayerBook {
     enabled: bool,
     /// Running mean of saved − cost per candidate, ms.
     net_ms: f64,
-    /// Running mean of the share of a read a chosen speculative read saved.
-    realized: f64,
+    /// Running mean of the share of a read a chosen speculative read saved (`None` until one
+    /// is measured).
+    realized: Option<f64>,
+    /// Running mean of the time from a candidate to its layer's routing, ms.
+    lead_ms: Option<f64>,
     since_switch: u64,
     /// Sum of saved − cost since the last switch, ms.
     net_since_switch: f64,
-    /// Candidates for the next routing of this layer: (expert, read issued).
-    pending: Vec<(ExpertId, bool)>,
+    /// Candidates for the next routing of this layer: (expert, read issued, when).
+    pending: Vec<(ExpertId, bool, Instant)>,
     stats: LayerSpeculation,
 }
 
@@ -59,7 +66,8 @@ impl LayerBook {
         LayerBook {
             enabled: true,
             net_ms: 0.0,
-            realized: 1.0,
+            realized: None,
+            lead_ms: None,
             since_switch: 0,
             net_since_switch: 0.0,
             pending: Vec::new(),
@@ -118,6 +126,13 @@ pub struct Speculation {
     read_time: HashMap<ExpertId, f64>,
     /// Experts a speculative read evicted: → (its layer, the step it happened).
     evicted: HashMap<ExpertId, ((Stack, u16), u64)>,
+    /// Running mean of the time from a candidate to its layer's routing over every layer, ms.
+    lead_ms: Option<f64>,
+}
+
+/// `mean` moved toward `value` by [`ALPHA`] (set to it if empty).
+fn update(mean: &mut Option<f64>, value: f64) {
+    *mean = Some(mean.map_or(value, |m| m + ALPHA * (value - m)));
 }
 
 impl Speculation {
@@ -130,6 +145,20 @@ impl Speculation {
             cancelled: Vec::new(),
             read_time: HashMap::new(),
             evicted: HashMap::new(),
+            lead_ms: None,
+        }
+    }
+
+    /// The share of a read a right guess on `layer` is expected to save: what its right guesses
+    /// saved, else the time its predictions lead its routing (or, before its first routing,
+    /// every layer's) over a read's time, else all of it.
+    fn expected_share(&self, layer: Option<&LayerBook>) -> f64 {
+        if let Some(realized) = layer.and_then(|b| b.realized) {
+            return realized;
+        }
+        match layer.and_then(|b| b.lead_ms).or(self.lead_ms) {
+            Some(lead) if self.read_ms > 0.0 => (lead / self.read_ms).min(1.0),
+            _ => 1.0,
         }
     }
 
@@ -147,26 +176,27 @@ impl Speculation {
     }
 
     /// Whether reading `id`, predicted with `probability`, is expected to save more device time
-    /// than it costs: a right guess saves the share of a read that this layer's right guesses
-    /// have saved so far (all of it until one is measured), a wrong one costs its share of the
-    /// device (a read over the queue depth). On a queue-depth-1 card whose reads take much
-    /// longer than a layer's compute, a right guess saves little and only near-certain
-    /// predictions are read.
+    /// than it costs: a right guess saves the share of a read this layer's right guesses are
+    /// expected to save (see the module), a wrong one costs its share of the device (a read
+    /// over the queue depth). On a queue-depth-1 card whose reads take much longer than a
+    /// layer's compute, a right guess saves little and only near-certain predictions are read.
     pub fn worth_reading(&self, id: ExpertId, probability: f64) -> bool {
-        let realized = self
-            .layers
-            .get(&(id.stack, id.layer))
-            .map_or(1.0, |b| b.realized);
-        probability * realized > (1.0 - probability) / self.queue_depth
+        let share = self.expected_share(self.layers.get(&(id.stack, id.layer)));
+        probability * share > (1.0 - probability) / self.queue_depth
     }
 
-    /// A prediction for `id`'s layer, read (`issued`) or not.
+    /// A prediction for `id`'s layer, read (`issued`) or not, made now.
     pub fn candidate(&mut self, id: ExpertId, issued: bool) {
+        self.candidate_at(id, issued, Instant::now());
+    }
+
+    /// [`Self::candidate`] made at `at`.
+    pub fn candidate_at(&mut self, id: ExpertId, issued: bool, at: Instant) {
         let book = self.book(id);
-        if book.pending.iter().any(|(p, _)| *p == id) {
+        if book.pending.iter().any(|(p, ..)| *p == id) {
             return;
         }
-        book.pending.push((id, issued));
+        book.pending.push((id, issued, at));
         if issued {
             book.stats.issued += 1;
         } else {
@@ -198,13 +228,25 @@ impl Speculation {
         self.evicted.remove(&id);
     }
 
-    /// The router of `block` of `stack` chose `experts`: this layer's candidates are settled.
+    /// The router of `block` of `stack` chose `experts` now: this layer's candidates are
+    /// settled.
     pub fn routed(&mut self, stack: Stack, block: u16, experts: &[u16]) {
+        self.routed_at(stack, block, experts, Instant::now());
+    }
+
+    /// [`Self::routed`] at `at`.
+    pub fn routed_at(&mut self, stack: Stack, block: u16, experts: &[u16], at: Instant) {
         let Some(mut book) = self.layers.remove(&(stack, block)) else {
             return;
         };
+        if let Some(first) = book.pending.iter().map(|&(.., when)| when).min() {
+            let lead = at.saturating_duration_since(first).as_secs_f64() * 1e3;
+            update(&mut book.lead_ms, lead);
+            update(&mut self.lead_ms, lead);
+        }
         let (read_ms, depth) = (self.read_ms, self.queue_depth);
-        for (id, issued) in std::mem::take(&mut book.pending) {
+        let share = self.expected_share(Some(&book));
+        for (id, issued, _) in std::mem::take(&mut book.pending) {
             let chosen = experts.contains(&id.expert);
             if issued && chosen {
                 book.stats.useful += 1;
@@ -230,7 +272,7 @@ impl Speculation {
                 // what speculation costs).
                 let evictions = book.eviction_share() * read_ms;
                 if chosen {
-                    read_ms * book.realized - evictions
+                    read_ms * share - evictions
                 } else {
                     -read_ms / depth - evictions
                 }
@@ -251,7 +293,7 @@ impl Speculation {
         let saved = (read_ms - waited_ms).max(0.0);
         if let Some(book) = self.layers.get_mut(&layer) {
             if read_ms > 0.0 {
-                book.realized += ALPHA * (saved / read_ms - book.realized);
+                update(&mut book.realized, saved / read_ms);
             }
             book.stats.saved_ms += saved;
             book.sample(saved, read_ms);
@@ -301,6 +343,8 @@ impl Speculation {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn dec(expert: u16) -> ExpertId {
@@ -311,23 +355,49 @@ mod tests {
         }
     }
 
+    /// Candidates made `lead_ms` before their layer's routing, one routing per call.
+    struct Clock {
+        now: Instant,
+        lead: Duration,
+    }
+
+    impl Clock {
+        fn new(lead_ms: u64) -> Self {
+            Clock {
+                now: Instant::now(),
+                lead: Duration::from_millis(lead_ms),
+            }
+        }
+
+        fn candidate(&mut self, s: &mut Speculation, id: ExpertId, issued: bool) {
+            s.candidate_at(id, issued, self.now);
+        }
+
+        fn routed(&mut self, s: &mut Speculation, experts: &[u16]) {
+            self.now += self.lead;
+            s.routed_at(Stack::Decoder, 1, experts, self.now);
+        }
+    }
+
     #[test]
     fn a_layer_whose_guesses_are_wrong_stops_and_resumes_when_they_improve() {
+        // Predictions a whole read ahead of their routing: a right one would save a read.
+        let mut clock = Clock::new(10);
         let mut s = Speculation::new(1, 10.0);
         // Every read wasted, a whole read each on one channel: stops at the second, once more
         // than a read behind.
         for step in 0..2 {
             assert!(s.enabled(dec(0)), "stopped early, at {step}");
-            s.candidate(dec(0), true);
+            clock.candidate(&mut s, dec(0), true);
             s.read(dec(0), 10.0, true);
-            s.routed(Stack::Decoder, 1, &[1]);
+            clock.routed(&mut s, &[1]);
         }
         assert!(!s.enabled(dec(0)));
         // Shadow candidates the router now chooses bring it back.
         let mut resumed_after = None;
         for step in 0..40 {
-            s.candidate(dec(1), false);
-            s.routed(Stack::Decoder, 1, &[1]);
+            clock.candidate(&mut s, dec(1), false);
+            clock.routed(&mut s, &[1]);
             if s.enabled(dec(1)) {
                 resumed_after = Some(step);
                 break;
@@ -408,6 +478,38 @@ mod tests {
         let stats = &s.per_layer()[0];
         assert_eq!((stats.issued, stats.useful), (20, 20));
         assert!((stats.saved_ms - 120.0).abs() < 1e-9, "{}", stats.saved_ms);
+    }
+
+    #[test]
+    fn until_a_right_guess_is_measured_the_lead_over_a_read_is_the_expected_saving() {
+        // Nothing measured yet: a right guess is assumed to save a whole read.
+        let mut s = Speculation::new(1, 10.0);
+        assert!(s.worth_reading(dec(0), 0.6));
+        // Predictions 1 ms ahead of their routing, reads of 10 ms: a right guess would save a
+        // tenth of a read, so only predictions above 1 / (1 + 0.1) are read on one channel.
+        let mut clock = Clock::new(1);
+        clock.candidate(&mut s, dec(0), false);
+        clock.routed(&mut s, &[0]);
+        assert!(!s.worth_reading(dec(0), 0.85));
+        assert!(s.worth_reading(dec(0), 0.95));
+        // A layer not routed yet takes what the others measured.
+        let other = ExpertId {
+            stack: Stack::Decoder,
+            layer: 3,
+            expert: 0,
+        };
+        assert!(!s.worth_reading(other, 0.85));
+        // A right guess measured: what it saved replaces the estimate.
+        clock.candidate(&mut s, dec(2), true);
+        clock.routed(&mut s, &[2]);
+        s.read(dec(2), 10.0, true);
+        s.demanded(dec(2), 2.0);
+        assert!(s.worth_reading(dec(0), 0.6));
+        assert!(!s.worth_reading(dec(0), 0.5));
+        assert!(
+            !s.worth_reading(other, 0.85),
+            "another layer's saving is its own"
+        );
     }
 
     #[test]
