@@ -26,6 +26,29 @@ pub struct SampleStats {
     pub decode_ms_per_token: f64,
 }
 
+/// The compute kernels a run used (detected on this CPU at run time).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct KernelStats {
+    /// The GEMV kernel set of decode steps: `avx512+vnni`, `avx2+vnni`, `avx2`,
+    /// `neon-dotprod`, `neon` or `scalar`.
+    pub gemv: String,
+    /// The integer GEMM of many-row products (an encoder pass, a prompt) on integer weights:
+    /// `avx512-vnni`, `neon-dotprod` or `neon-i8mm`; `null` where there is none and such
+    /// products take dequantized tiles and libtorch's f32 GEMM (the key itself is required).
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub int_gemm: Option<String>,
+}
+
+impl KernelStats {
+    /// This CPU's kernels.
+    pub fn detected() -> Self {
+        KernelStats {
+            gemv: crate::quant::matrix::matmul_kernel().into(),
+            int_gemm: crate::quant::matrix::int_gemm_kernel().map(Into::into),
+        }
+    }
+}
+
 /// The statistics of one run: the `--stats-json` file. Its key names are an interface (scripts
 /// and `bench` read them); every field is required when it is read back.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -77,6 +100,7 @@ pub struct RunStats {
     pub working_bytes: u64,
     pub buffer_bytes: u64,
     pub buffer_slots: usize,
+    pub kernels: KernelStats,
     /// Generated ids of each document (without the decoder start token).
     pub output_ids: Vec<Vec<i64>>,
     pub samples: Vec<SampleStats>,
@@ -197,6 +221,7 @@ impl RunStats {
             working_bytes: plan.working_bytes,
             buffer_bytes: plan.buffer_bytes(),
             buffer_slots: plan.slots,
+            kernels: KernelStats::detected(),
             output_ids: generations.iter().map(|(_, g)| g.tokens.clone()).collect(),
             samples,
         }
@@ -325,6 +350,10 @@ mod tests {
             working_bytes: 50 << 20,
             buffer_bytes: 64 << 20,
             buffer_slots: 6,
+            kernels: KernelStats {
+                gemv: "neon-dotprod".into(),
+                int_gemm: Some("neon-i8mm".into()),
+            },
             output_ids: vec![vec![1, 2, 3], vec![]],
             samples: vec![SampleStats {
                 source_tokens: 40,
@@ -382,6 +411,7 @@ mod tests {
             "working_bytes",
             "buffer_bytes",
             "buffer_slots",
+            "kernels",
             "output_ids",
             "samples",
         ];
@@ -398,6 +428,10 @@ mod tests {
 
         let no_profile = RunStats {
             profile: None,
+            kernels: KernelStats {
+                gemv: "neon".into(),
+                int_gemm: None,
+            },
             ..example()
         };
         let text = serde_json::to_string_pretty(&no_profile).unwrap();
@@ -412,6 +446,7 @@ mod tests {
             (&[][..], "profile"),
             (&["prefetch"][..], "useful"),
             (&["dictionary"][..], "top1_accuracy"),
+            (&["kernels"][..], "int_gemm"),
         ] {
             let mut json = serde_json::to_value(example()).unwrap();
             let mut object = &mut json;
