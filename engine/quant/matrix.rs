@@ -9,10 +9,11 @@
 //!   (one f32 scale per block, as llama.cpp's Q8_0) and take integer dot products per block:
 //!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
 //! - **GEMM** (prefill, the encoder): integer formats take the integer GEMM of
-//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` or `smmla` on aarch64): activations rounded to INT8 blocks as
-//!   for the GEMV, the same integer block sums, no weight expanded. Otherwise (float formats,
-//!   other CPUs) tiles of [`TILE_ROWS`] weight rows are dequantized into a small scratch and
-//!   multiplied by libtorch's GEMM (f32 weights are used in place).
+//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` or `smmla` on aarch64):
+//!   activations rounded to INT8 blocks as for the GEMV, the same integer block sums, no weight
+//!   expanded. Otherwise (float formats, other CPUs) tiles of [`TILE_ROWS`] weight rows are
+//!   dequantized into a small scratch and multiplied by libtorch's GEMM (f32 weights are used
+//!   in place).
 //!
 //! Both paths split their work over the compute threads of [`super::parallel`] (GEMV: tasks of
 //! weight rows; GEMM: tiles), with libtorch itself on one thread. Tiles are the same at every
@@ -732,8 +733,8 @@ pub fn matmul_kernel() -> &'static str {
     kernels::best().name
 }
 
-/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"neon-dotprod"`, `"neon-i8mm"`), or `None` (dequantized tiles and
-/// libtorch's f32 GEMM).
+/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"neon-dotprod"`, `"neon-i8mm"`), or `None`
+/// (dequantized tiles and libtorch's f32 GEMM).
 pub fn int_gemm_kernel() -> Option<&'static str> {
     kernels::int_gemm().map(|k| k.name)
 }

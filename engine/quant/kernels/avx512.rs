@@ -443,12 +443,7 @@ fn block_bias(codes: &[u8], bias: &mut [i32]) {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
-    let width = w.blocks * BLOCK;
-    let stride = x.groups * LANES;
-    assert_eq!(x.blocks, w.blocks);
-    assert!(w.codes.len() >= w.rows * width && w.bias.len() >= w.rows * w.blocks);
-    assert!(w.scales.len() >= w.rows && x.codes.len() >= x.groups * width * LANES);
-    assert!(x.scales.len() >= x.groups * w.blocks * LANES && out.len() >= w.rows * stride);
+    gemm::check_operands(w, x, out, gemm::ActLayout::Unsigned);
     let mut r = 0;
     while r < w.rows {
         let rows = (w.rows - r).min(MAX_ROWS);
@@ -456,7 +451,7 @@ fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
         while g < x.groups {
             let groups = (x.groups - g).min(2);
             // SAFETY: rows r..r + rows and groups g..g + groups lie inside the operands and
-            // `out`, whose lengths are asserted above.
+            // `out`, whose lengths `check_operands` asserted.
             unsafe {
                 match (groups, rows) {
                     (2, 6) => tile::<2, 6>(w, x, r, g, out),

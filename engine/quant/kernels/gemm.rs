@@ -148,7 +148,6 @@ pub(crate) struct GemmRows<'a> {
     pub codes: &'a [u8],
     /// `[rows][blocks]`: `−128 × Σ_{i∈b} w[r, i]`, where each block's integer sum starts
     /// against unsigned activations; empty for kernels that take signed ones.
-    #[cfg_attr(not(any(test, target_arch = "x86_64")), allow(dead_code))]
     pub bias: &'a [i32],
     /// One per row.
     pub scales: &'a [f32],
@@ -157,10 +156,23 @@ pub(crate) struct GemmRows<'a> {
 }
 
 /// `out[r × stride + t] = w_scale[r] × Σ_b x_scale[t, b] × (bias[r, b] + Σ_{i∈b} w[r, i] ·
-/// (x_q[t, i] + 128))` (unsigned activations; `Σ_{i∈b} w[r, i] · x_q[t, i]` for signed ones, the
-/// same integer) for every weight row `r` and activation row `t < groups × LANES` (`stride` =
-/// that), with the float sum taken block after block by fused multiply-adds.
+/// (x_q[t, i] + 128))` (unsigned activations; for signed ones `Σ_{i∈b} w[r, i] · x_q[t, i]`,
+/// the same integer) for every weight row `r` and activation row `t < groups × LANES`
+/// (`stride` = that), with the float sum taken block after block by fused multiply-adds.
 pub(crate) type GemmQuant = fn(&GemmRows<'_>, &GemmActs, &mut [f32]);
+
+/// Asserts that everything a [`GemmQuant`] kernel reads and writes lies inside its operands
+/// and `out`, with activations in `layout` (the bias is read only for unsigned ones).
+pub(crate) fn check_operands(w: &GemmRows<'_>, x: &GemmActs, out: &[f32], layout: ActLayout) {
+    let width = w.blocks * BLOCK;
+    assert_eq!(x.layout, layout);
+    assert_eq!(x.blocks, w.blocks);
+    assert!(w.codes.len() >= w.rows * width && w.scales.len() >= w.rows);
+    assert!(layout.signed() || w.bias.len() >= w.rows * w.blocks);
+    assert!(x.codes.len() >= x.groups * width * LANES);
+    assert!(x.scales.len() >= x.groups * w.blocks * LANES);
+    assert!(out.len() >= w.rows * x.groups * LANES);
+}
 
 /// An integer GEMM kernel, the preparation of its operands, and its name.
 pub(crate) struct IntGemm {
@@ -174,10 +186,9 @@ pub(crate) struct IntGemm {
 /// are exact; the float operations and their order are the same).
 #[cfg(test)]
 pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
+    check_operands(w, x, out, x.layout);
     let (blocks, stride) = (w.blocks, x.groups * LANES);
     let width = blocks * BLOCK;
-    assert_eq!(x.blocks, blocks);
-    assert!(out.len() >= w.rows * stride);
     for r in 0..w.rows {
         let row = &w.codes[r * width..(r + 1) * width];
         for t in 0..stride {
@@ -206,7 +217,8 @@ pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 
 /// Unpacks `rows` packed integer rows of `cols` values into signed bytes, `blocks × BLOCK` per
 /// row (zero-padded; each block in [`block_order`]), and computes their [`GemmRows::bias`] (left
-/// empty by kernels that take signed activations). Returns the codes: INT8 rows of whole blocks are used where they lie.
+/// empty by kernels that take signed activations). Returns the codes: INT8 rows of whole blocks
+/// are used where they lie.
 pub(crate) type PrepareRows =
     for<'a> fn(&'a [u8], QuantBits, usize, usize, &'a mut Vec<u8>, &mut Vec<i32>) -> &'a [u8];
 
@@ -220,22 +232,41 @@ pub(crate) fn prepare_rows<'a>(
     codes: &'a mut Vec<u8>,
     bias: &mut Vec<i32>,
 ) -> &'a [u8] {
+    prepare_rows_by(packed, bits, cols, rows, codes, Some(bias), |src, dst| {
+        unpack_values(src, bits, cols, dst)
+    })
+}
+
+/// [`PrepareRows`] with `unpack_row(src, dst)` unpacking one packed row into `blocks × BLOCK`
+/// zeroed bytes; the bias is computed where one is given (and cleared otherwise by the caller).
+pub(crate) fn prepare_rows_by<'a>(
+    packed: &'a [u8],
+    bits: QuantBits,
+    cols: usize,
+    rows: usize,
+    codes: &'a mut Vec<u8>,
+    bias: Option<&mut Vec<i32>>,
+    unpack_row: impl Fn(&[u8], &mut [u8]),
+) -> &'a [u8] {
     let blocks = cols.div_ceil(BLOCK);
     let width = blocks * BLOCK;
-    if bits == QuantBits::Int8 && cols == width {
-        block_bias(packed, rows, blocks, bias);
-        return &packed[..rows * width];
+    let codes: &'a [u8] = if bits == QuantBits::Int8 && cols == width {
+        &packed[..rows * width]
+    } else {
+        codes.clear();
+        codes.resize(rows * width, 0);
+        for (src, dst) in packed
+            .chunks_exact(bits.row_bytes(cols))
+            .zip(codes.chunks_exact_mut(width))
+            .take(rows)
+        {
+            unpack_row(src, dst);
+        }
+        codes
+    };
+    if let Some(bias) = bias {
+        block_bias(codes, rows, blocks, bias);
     }
-    codes.clear();
-    codes.resize(rows * width, 0);
-    for (src, dst) in packed
-        .chunks_exact(bits.row_bytes(cols))
-        .zip(codes.chunks_exact_mut(width))
-        .take(rows)
-    {
-        unpack_values(src, bits, cols, dst);
-    }
-    block_bias(codes, rows, blocks, bias);
     codes
 }
 
@@ -248,13 +279,11 @@ pub(crate) fn unpack_values(src: &[u8], bits: QuantBits, len: usize, dst: &mut [
 }
 
 /// One block's [`GemmRows::bias`]: `−128 × Σ` of its signed codes.
-#[cfg_attr(not(any(test, target_arch = "x86_64")), allow(dead_code))]
 pub(crate) fn bias_of(block: &[u8]) -> i32 {
     -ACT_ZERO * block.iter().map(|&c| i32::from(c as i8)).sum::<i32>()
 }
 
 /// [`GemmRows::bias`] of `rows` rows of signed codes, `blocks × BLOCK` each.
-#[cfg_attr(not(any(test, target_arch = "x86_64")), allow(dead_code))]
 pub(crate) fn block_bias(codes: &[u8], rows: usize, blocks: usize, bias: &mut Vec<i32>) {
     bias.clear();
     bias.extend(

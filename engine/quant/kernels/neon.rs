@@ -332,10 +332,7 @@ pub(crate) static INT_GEMM_DOTPROD: IntGemm = IntGemm {
     prepare_acts: |x, n, cols, bits, acts| {
         gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::Signed)
     },
-    // SAFETY: NEON is part of the aarch64 baseline.
-    prepare_rows: |packed, bits, cols, rows, codes, bias| unsafe {
-        prepare_rows(packed, bits, cols, rows, codes, bias)
-    },
+    prepare_rows,
     // SAFETY: this kernel is only chosen when `dotprod_supported()` said yes.
     run: |w, x, out| unsafe { gemm_quant_sdot(w, x, out) },
 };
@@ -354,17 +351,13 @@ pub(crate) static INT_GEMM_I8MM: IntGemm = IntGemm {
     prepare_acts: |x, n, cols, bits, acts| {
         gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::SignedPairs)
     },
-    // SAFETY: NEON is part of the aarch64 baseline.
-    prepare_rows: |packed, bits, cols, rows, codes, bias| unsafe {
-        prepare_rows(packed, bits, cols, rows, codes, bias)
-    },
+    prepare_rows,
     // SAFETY: this kernel is only chosen when `i8mm_supported()` said yes.
     run: |w, x, out| unsafe { gemm_quant_mmla(w, x, out) },
 };
 
 /// [`gemm::prepare_rows`] without the bias (the activations are signed), whole blocks unpacked
 /// by [`unpack_block`].
-#[target_feature(enable = "neon")]
 fn prepare_rows<'a>(
     packed: &'a [u8],
     bits: QuantBits,
@@ -374,37 +367,33 @@ fn prepare_rows<'a>(
     bias: &mut Vec<i32>,
 ) -> &'a [u8] {
     bias.clear();
-    let blocks = cols.div_ceil(BLOCK);
-    let width = blocks * BLOCK;
-    if bits == QuantBits::Int8 && cols == width {
-        return &packed[..rows * width];
-    }
+    gemm::prepare_rows_by(packed, bits, cols, rows, codes, None, |src, dst| {
+        // SAFETY: NEON is part of the aarch64 baseline.
+        unsafe { unpack_row(src, bits, cols, dst) }
+    })
+}
+
+/// One packed row of `cols` values into `dst` (`blocks × BLOCK` bytes), as
+/// [`gemm::unpack_values`] does.
+#[target_feature(enable = "neon")]
+fn unpack_row(src: &[u8], bits: QuantBits, cols: usize, dst: &mut [u8]) {
     let (full, block_bytes) = (cols / BLOCK, BLOCK * bits.bits() as usize / 8);
-    codes.clear();
-    codes.resize(rows * width, 0);
-    for (src, dst) in packed
-        .chunks_exact(bits.row_bytes(cols))
-        .zip(codes.chunks_exact_mut(width))
-        .take(rows)
+    for (w, out) in src
+        .chunks_exact(block_bytes)
+        .zip(dst.as_chunks_mut::<BLOCK>().0)
+        .take(full)
     {
-        for (w, out) in src
-            .chunks_exact(block_bytes)
-            .zip(dst.as_chunks_mut::<BLOCK>().0)
-            .take(full)
-        {
-            let (w0, w1) = unpack_block(w, bits);
-            // SAFETY: 32 writable bytes (a block of `dst`).
-            unsafe {
-                vst1q_s8(out.as_mut_ptr().cast(), w0);
-                vst1q_s8(out.as_mut_ptr().add(16).cast(), w1);
-            }
-        }
-        if full < blocks {
-            let tail = &src[full * block_bytes..];
-            gemm::unpack_values(tail, bits, cols - full * BLOCK, &mut dst[full * BLOCK..]);
+        let (w0, w1) = unpack_block(w, bits);
+        // SAFETY: 32 writable bytes (a block of `dst`).
+        unsafe {
+            vst1q_s8(out.as_mut_ptr().cast(), w0);
+            vst1q_s8(out.as_mut_ptr().add(16).cast(), w1);
         }
     }
-    codes
+    if full * BLOCK < cols {
+        let tail = &src[full * block_bytes..];
+        gemm::unpack_values(tail, bits, cols - full * BLOCK, &mut dst[full * BLOCK..]);
+    }
 }
 
 /// `acc + Σ a[4i..4i+4] · b[4L..4L+4]` per lane `i` (`sdot` by element: four bytes of `b`
@@ -445,19 +434,13 @@ fn dot_step<const L: i32, const R: usize>(
 
 #[target_feature(enable = "neon,dotprod")]
 fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
-    let width = w.blocks * BLOCK;
-    let stride = x.groups * LANES;
-    assert_eq!(x.layout, ActLayout::Signed);
-    assert_eq!(x.blocks, w.blocks);
-    assert!(w.codes.len() >= w.rows * width && w.scales.len() >= w.rows);
-    assert!(x.codes.len() >= x.groups * width * LANES);
-    assert!(x.scales.len() >= x.groups * w.blocks * LANES && out.len() >= w.rows * stride);
+    gemm::check_operands(w, x, out, ActLayout::Signed);
     let mut r = 0;
     while r < w.rows {
         let rows = (w.rows - r).min(GEMM_MAX_ROWS);
         for g in 0..x.groups {
             // SAFETY: rows r..r + rows and group g lie inside the operands and `out`, whose
-            // lengths are asserted above.
+            // lengths `check_operands` asserted.
             unsafe {
                 match rows {
                     3 => tile::<3>(w, x, r, g, out),
@@ -564,20 +547,14 @@ const MMLA_LANE_PAIRS: usize = LANES / 4;
 
 #[target_feature(enable = "neon,i8mm")]
 fn gemm_quant_mmla(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
-    let width = w.blocks * BLOCK;
-    let stride = x.groups * LANES;
-    assert_eq!(x.layout, ActLayout::SignedPairs);
-    assert_eq!(x.blocks, w.blocks);
-    assert!(w.codes.len() >= w.rows * width && w.scales.len() >= w.rows);
-    assert!(x.codes.len() >= x.groups * width * LANES);
-    assert!(x.scales.len() >= x.groups * w.blocks * LANES && out.len() >= w.rows * stride);
+    gemm::check_operands(w, x, out, ActLayout::SignedPairs);
     let mut r = 0;
     while r < w.rows {
         let rows = (w.rows - r).min(2 * MMLA_MAX_PAIRS);
         for g in 0..x.groups {
             for half in 0..2 {
                 // SAFETY: rows r..r + rows and group g lie inside the operands and `out`, whose
-                // lengths are asserted above.
+                // lengths `check_operands` asserted.
                 unsafe {
                     if rows > 2 {
                         mmla_tile::<2>(w, x, r, rows, g, half, out)
