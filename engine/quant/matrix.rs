@@ -795,11 +795,16 @@ mod tests {
         let (rows, cols) = (w.rows(), w.cols());
         let mut dq = vec![0f32; rows * cols];
         w.dequantize_rows(0, rows, &mut dq).unwrap();
+        // Values sharing one activation scale: a block, or INT2's groups of 8 blocks.
+        let group = match w.format() {
+            MatrixFormat::Quant(QuantBits::Int2) => 8 * BLOCK,
+            _ => BLOCK,
+        };
         let xs: Vec<f64> = match w.format() {
             _ if rounded => x
                 .chunks_exact(cols)
                 .flat_map(|row| {
-                    row.chunks(BLOCK)
+                    row.chunks(group)
                         .flat_map(|b| {
                             let d = b.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
                             let id = if d > 0.0 { 1.0 / d } else { 0.0 };

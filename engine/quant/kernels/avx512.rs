@@ -155,6 +155,30 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
             }
         }
     };
+    // INT2: a quad of pairs (8 blocks) is one scale group (`scale_group`), so the integer sums
+    // of its four pairs are added in one register per row before one conversion and one FMA,
+    // into `acc[r][j]` (the i32 sums stay below 2^24: 16 products of at most 3 × 64 × 128).
+    let group_step = |p: usize, j: usize, acc: &mut [[__m512; 4]; R]| {
+        // SAFETY: pairs `p .. p + 4` lie inside every row, `x.codes` and `x.pair_scales`
+        // (lengths asserted above).
+        unsafe {
+            let mut sums = [_mm512_setzero_si512(); R];
+            for i in 0..4 {
+                let xv = _mm512_loadu_si512(x.codes.as_ptr().add((p + i) * 2 * BLOCK).cast());
+                for (w, sums) in w.iter().zip(sums.iter_mut()) {
+                    let v = _mm512_broadcast_i32x4(_mm_loadu_si128(w.add((p + i) * 16).cast()));
+                    let unsigned = _mm512_ternarylogic_epi64::<0x6a>(v, field_mask, zero_point);
+                    *sums = _mm512_dpbusd_epi32(*sums, unsigned, xv);
+                }
+            }
+            // Every pair of the group has the same 16 scales.
+            let scales = _mm512_loadu_ps(x.pair_scales.as_ptr().add(p * 16));
+            for (sums, acc) in sums.iter().zip(acc.iter_mut()) {
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*sums), scales, acc[j]);
+            }
+        }
+    };
+    const { assert!(super::scale_group(QuantBits::Int2) == 8) };
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let quads = pairs / 4;
     for q in 0..quads {
@@ -178,8 +202,12 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
             }
         }
-        for j in 0..4 {
-            step(p + j, j, &mut acc);
+        if BITS == 2 {
+            group_step(p, q % 4, &mut acc);
+        } else {
+            for j in 0..4 {
+                step(p + j, j, &mut acc);
+            }
         }
     }
     for p in quads * 4..pairs {
@@ -212,8 +240,8 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
 }
 
 /// The reference activation preparation of [`super::gemm`], 32 values at a time: each block
-/// rounded by [`round_block`], made unsigned, and its eight 4-byte steps scattered into its
-/// row's lane.
+/// rounded by [`round_block`] at its [`block_scales`] scale, made unsigned, and its eight
+/// 4-byte steps scattered into its row's lane.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut GemmActs) {
     acts.reset(n, cols, gemm::ActLayout::Unsigned);
@@ -221,12 +249,14 @@ fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut Ge
     let width = blocks * BLOCK;
     assert!(x.len() >= n * cols && acts.codes.len() >= n.div_ceil(LANES) * width * LANES);
     let order = BlockOrder::new(bits);
+    let mut row_scales = vec![0f32; blocks];
     for (t, row) in x.chunks_exact(cols).take(n).enumerate() {
         let (group, lane) = (t / LANES, t % LANES);
         let lane_codes = acts.codes[group * width * LANES + lane * 4..].as_mut_ptr();
         let steps = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
-        for b in 0..blocks {
-            let (d, codes) = round_block(row, b, &order);
+        block_scales(row, bits, &mut row_scales);
+        for (b, &d) in row_scales.iter().enumerate() {
+            let codes = round_block(row, b, d, &order);
             acts.scales[(group * blocks + b) * LANES + lane] = d;
             let codes = _mm256_xor_si256(codes, _mm256_set1_epi8(-128));
             // SAFETY: the block's eight steps of this row's lane: bytes `(b × 8 + s) × 64` past
@@ -245,9 +275,9 @@ fn quantize_activations(x: &[f32], bits: QuantBits, codes: &mut [i8], scales: &m
     let blocks = x.len().div_ceil(BLOCK);
     assert!(codes.len() >= blocks * BLOCK && scales.len() >= blocks);
     let order = BlockOrder::new(bits);
-    for (b, scale) in scales.iter_mut().enumerate().take(blocks) {
-        let (d, block) = round_block(x, b, &order);
-        *scale = d;
+    block_scales(x, bits, &mut scales[..blocks]);
+    for (b, &d) in scales.iter().enumerate().take(blocks) {
+        let block = round_block(x, b, d, &order);
         // SAFETY: block `b`'s 32 codes (length asserted above).
         unsafe { _mm256_storeu_si256(codes.as_mut_ptr().add(b * BLOCK).cast(), block) };
     }
@@ -280,16 +310,14 @@ impl BlockOrder {
     }
 }
 
-/// Block `b` of an activation row rounded to INT8: its scale (`max|x| / 127`, the same
-/// divisions as the scalar reference) and its 32 signed codes in block order, rounded half away
-/// from zero by truncating and comparing the remainder (as [`super::scalar`] does), narrowed
-/// with saturation; values past the row's end are zero.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-fn round_block(row: &[f32], b: usize, order: &BlockOrder) -> (f32, __m256i) {
+/// The values of block `b` of an activation row, as two 16-lane vectors (zero past the row's
+/// end).
+#[target_feature(enable = "avx512f")]
+fn block_values(row: &[f32], b: usize) -> (__m512, __m512) {
     let first = b * BLOCK;
     let len = BLOCK.min(row.len() - first);
     // SAFETY: the masks cover values `first .. first + len` of the row only.
-    let (a, c) = unsafe {
+    unsafe {
         (
             _mm512_maskz_loadu_ps(mask_of(len), row.as_ptr().add(first)),
             _mm512_maskz_loadu_ps(
@@ -297,9 +325,34 @@ fn round_block(row: &[f32], b: usize, order: &BlockOrder) -> (f32, __m256i) {
                 row.as_ptr().wrapping_add(first + 16),
             ),
         )
-    };
-    let max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-    let d = max / 127.0;
+    }
+}
+
+/// The scale of each block of an activation row (`scales.len()` blocks): `max|x| / 127` over
+/// its [`super::scale_group`], the same division as the scalar reference (a maximum is exact
+/// in any order).
+#[target_feature(enable = "avx512f")]
+fn block_scales(row: &[f32], bits: QuantBits, scales: &mut [f32]) {
+    let group = super::scale_group(bits);
+    for (g, scales) in scales.chunks_mut(group).enumerate() {
+        let first = g * group;
+        let max = (first..first + scales.len()).fold(0f32, |m, b| {
+            let (a, c) = block_values(row, b);
+            m.max(_mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_abs_ps(a),
+                _mm512_abs_ps(c),
+            )))
+        });
+        scales.fill(max / 127.0);
+    }
+}
+
+/// Block `b` of an activation row rounded to INT8 at scale `d`: its 32 signed codes in block
+/// order, rounded half away from zero by truncating and comparing the remainder (as
+/// [`super::scalar`] does), narrowed with saturation; values past the row's end are zero.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn round_block(row: &[f32], b: usize, d: f32, order: &BlockOrder) -> __m256i {
+    let (a, c) = block_values(row, b);
     let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
     let (a, c) = if order.reorder {
         (
@@ -322,7 +375,7 @@ fn round_block(row: &[f32], b: usize, order: &BlockOrder) -> (f32, __m256i) {
     let inverse = _mm512_set1_ps(inverse);
     let low = _mm512_cvtsepi32_epi8(round(_mm512_mul_ps(a, inverse)));
     let high = _mm512_cvtsepi32_epi8(round(_mm512_mul_ps(c, inverse)));
-    (d, _mm256_set_m128i(high, low))
+    _mm256_set_m128i(high, low)
 }
 
 /// A 16-lane mask of the first `len` lanes (all of them from 16 on).

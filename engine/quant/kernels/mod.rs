@@ -32,6 +32,19 @@ use crate::quant::QuantBits;
 /// Values per activation block (one f32 scale each).
 pub(crate) const BLOCK: usize = 32;
 
+/// How many consecutive activation blocks share one scale for weights of `bits`: 8 for INT2
+/// (256 values, as llama.cpp's `Q8_K` rounds the activations of its 2- to 6-bit formats), 1
+/// otherwise. Blocks still carry one scale each (equal within a group), so every kernel reads
+/// them as before; the AVX-512 INT2 kernel adds a group's integer sums before it converts them,
+/// which is what lets it keep up with memory (one conversion and one FMA per 256 values
+/// instead of per 64). An INT2 weight's error is far above that of a coarser activation scale.
+pub(crate) const fn scale_group(bits: QuantBits) -> usize {
+    match bits {
+        QuantBits::Int2 => 8,
+        QuantBits::Int4 | QuantBits::Int8 => 1,
+    }
+}
+
 /// Where element `i` (0..32) of a block sits in the activation codes for weights of `bits`:
 /// INT8 in order; INT4 even elements (low nibbles) first, then odd ones (high nibbles); INT2
 /// elements by their field in the byte (`4k + j` at `8j + k`).
@@ -48,7 +61,7 @@ pub(crate) fn block_order(bits: QuantBits, i: usize) -> usize {
 pub(crate) struct QuantRow<'a> {
     /// Codes in [`block_order`] for the weights' bits, zero past the row's end.
     pub codes: &'a [i8],
-    /// One per block.
+    /// One per block (equal within a [`scale_group`]).
     pub scales: &'a [f32],
     /// `z × Σ_b scales[b] × Σ_{i∈b} codes[i]` over the whole blocks, with `z` the zero point of
     /// unsigned weight codes (8 for INT4, 2 for INT2, 0 for INT8): kernels that multiply

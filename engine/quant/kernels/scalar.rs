@@ -78,24 +78,32 @@ pub(crate) fn element(row: &[u8], bits: QuantBits, e: usize) -> i8 {
     }
 }
 
-/// Rounds an activation row to INT8 blocks of [`BLOCK`] values: `scales[b] = max|x| / 127`,
-/// codes `round(x / scale)` placed in [`block_order`] for `bits` (padding codes stay zero).
+/// Rounds an activation row to INT8 blocks of [`BLOCK`] values: `scales[b] = max|x| / 127` over
+/// the block's [`super::scale_group`], codes `round(x / scale)` placed in [`block_order`] for
+/// `bits` (padding codes stay zero).
 pub(crate) fn quantize_activations(
     x: &[f32],
     bits: QuantBits,
     codes: &mut [i8],
     scales: &mut [f32],
 ) {
-    for ((values, block), scale) in x
-        .chunks(BLOCK)
-        .zip(codes.chunks_exact_mut(BLOCK))
-        .zip(scales.iter_mut())
+    let group = super::scale_group(bits);
+    for ((values, codes), scales) in x
+        .chunks(group * BLOCK)
+        .zip(codes.chunks_mut(group * BLOCK))
+        .zip(scales.chunks_mut(group))
     {
         let d = values.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
         let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
-        *scale = d;
-        for (i, &v) in values.iter().enumerate() {
-            block[block_order(bits, i)] = round_code(v * inverse);
+        for ((values, block), scale) in values
+            .chunks(BLOCK)
+            .zip(codes.chunks_exact_mut(BLOCK))
+            .zip(scales.iter_mut())
+        {
+            *scale = d;
+            for (i, &v) in values.iter().enumerate() {
+                block[block_order(bits, i)] = round_code(v * inverse);
+            }
         }
     }
 }
