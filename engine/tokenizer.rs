@@ -21,9 +21,10 @@ use crate::error::{Error, Result};
 pub struct Tokenizer {
     path: PathBuf,
     inner: tokenizers::Tokenizer,
-    /// A copy of `inner` that truncates to the `usize` tokens it was last asked for: making one
-    /// copies the whole vocabulary (T5's: ~40 ms, a tenth of a short summary on the demo model),
-    /// so [`Self::encode`] keeps it for the next text, which nearly always has the same limit.
+    /// A copy of `inner` that truncates to the `usize` tokens it was last asked for. Making one
+    /// copies the whole vocabulary (T5's: ~25 ms, a fifth of a short summary's wall time on the
+    /// demo model), so [`Self::encode`] keeps it for the next text, which nearly always has the
+    /// same limit.
     truncating: Mutex<Option<(usize, Arc<tokenizers::Tokenizer>)>>,
 }
 
