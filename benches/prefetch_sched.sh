@@ -11,7 +11,7 @@ profiles=${PROFILES:-rpi4-sd rpi5-sd rpi5-nvme}
 buffers=${BUFFERS:-6 10 16 24}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-printf 'build\tprofile\tbuffer\tprefetch\tms_per_token\thit_ratio\tstall_ms_per_token\tbytes_read\tprefetch_bytes\twasted_bytes\tids_md5\tms_per_document\n' >"$out"
+printf 'build\tprofile\tbuffer\tprefetch\tms_per_token\thit_ratio\tstall_ms_per_token\tbytes_read\tprefetch_bytes\twasted_bytes\tids_md5\tms_per_document\tdecode_stall_ms_per_token\tdecode_misses_per_token\tdecoder_moe_layers\n' >"$out"
 for p in $profiles; do
   for b in $buffers; do
     for build in "$@"; do
@@ -19,18 +19,23 @@ for p in $profiles; do
       for mode in on off; do
         flag=(); [ "$mode" = off ] && flag=(--no-prefetch)
         "$bin" summarize --model "$bundle" --input "$data" --profile "$p" --storage emulate \
-          --buffer-experts "$b" --max-new-tokens 40 --threads 1 "${flag[@]}" \
+          --buffer-experts "$b" --max-new-tokens 40 --beams 1 --threads 1 "${flag[@]}" \
           --stats-json "$tmp/s.json" -q >/dev/null
         python3 - "$tmp/s.json" "$label" "$p" "$b" "$mode" >>"$out" <<'PY'
 import json, sys, hashlib
 s = json.load(open(sys.argv[1]))
 pf = s.get("prefetch", {})
 ids = hashlib.md5(json.dumps(s["output_ids"]).encode()).hexdigest()[:8]
+# Decoder MoE layers, and decoder steps (greedy: one per generated token).
+dec = [l for l in s["per_layer"] if l["stack"] == "decoder"]
+steps = max(1, s["tokens_generated"])
 print("\t".join(map(str, [*sys.argv[2:6],
   round(s["decode_ms_per_token"], 2), round(s["hit_ratio"], 3),
   round(s.get("stall_ms_per_token", 0), 2), s["bytes_read"],
   pf.get("bytes_read", 0), pf.get("wasted_bytes", 0), ids,
-  round(sum(x["sample_ms"] for x in s["samples"]) / max(1, len(s["samples"])), 1)])))
+  round(sum(x["sample_ms"] for x in s["samples"]) / max(1, len(s["samples"])), 1),
+  round(s["decode_stall_ms_per_token"], 3),
+  round(sum(l["accesses"] - l["hits"] for l in dec) / steps, 4), len(dec)])))
 PY
       done
     done

@@ -3,6 +3,16 @@
 ms/token, hit ratio, wasted share and stall per cell as medians over the rounds; on/off as the
 median (and range) of each round's ratio of its two back-to-back runs; with TSVs that have
 `ms_per_document` (encoder + decoding of one dialogue), its on/off too.
+
+With TSVs that have `decode_stall_ms_per_token` (the waits inside decoder steps), a second
+table says where issue 12's "≥ 1.25× faster where read stalls are ≥ 30% of decode time" applies
+and what any prefetcher could reach there, from the prefetch-off runs (medians): decode time
+`off`, its stall `s`, decode misses per token `m`, decoder MoE layers `L`, so compute `c = off − s`
+and a miss's read `r = s / m`:
+  - every stall hidden: on/off ≥ max(c, s) / off (reads overlap all compute; no fewer bytes);
+  - one layer ahead: on/off ≥ (off − m · min(r, c / L)) / off: a read started when the previous
+    MoE layer routes can overlap about one layer's compute (c / L) before the layer needs it.
+The target (≥ 1.25× faster) is on/off ≤ 0.80.
 Usage: benches/prefetch_sched_table.py ROUND1.tsv [ROUND2.tsv ...]"""
 import csv, statistics, sys
 from collections import defaultdict
@@ -50,6 +60,27 @@ for p, buf in configs:
             d = paired_doc.get((b, p, buf), [])
             cells += [f"{statistics.median(d):.2f}× ({min(d):.2f}–{max(d):.2f})" if d else "—"]
     print("| " + " | ".join(cells) + " |")
+if any("decode_stall_ms_per_token" in r for v in runs.values() for r in v):
+    print()
+    head = ["profile", "buffer", "off ms/tok", "decode stall off (share)", "decode misses per token",
+            "best on/off, every stall hidden", "best on/off, one layer ahead", "measured on/off"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for p, buf in configs:
+        for b in builds:
+            key = (b, p, buf, "off")
+            if key not in runs or "decode_stall_ms_per_token" not in runs[key][0]:
+                continue
+            off, s = med(key, "ms_per_token"), med(key, "decode_stall_ms_per_token")
+            m, layers = med(key, "decode_misses_per_token"), med(key, "decoder_moe_layers")
+            c = max(0.0, off - s)
+            hidden = max(c, s) / off
+            ahead = (off - (m * min(s / m, c / layers) if m > 0 else 0.0)) / off
+            pr = paired.get((b, p, buf), [])
+            cells = [p, str(buf) + (f" ({b})" if len(builds) > 1 else ""), f"{off:.2f}",
+                     f"{s:.2f} ({100 * s / off:.0f}%)", f"{m:.2f}", f"{hidden:.2f}", f"{ahead:.2f}",
+                     f"{statistics.median(pr):.2f}" if pr else "—"]
+            print("| " + " | ".join(cells) + " |")
 n = {len(v) for v in runs.values()}
 print(f"\n(median of {sorted(n)} runs per cell)")
 same = {r["ids_md5"] for v in runs.values() for r in v}

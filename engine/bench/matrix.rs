@@ -244,6 +244,7 @@ fn row(run: &BenchRun, profile: &str, budget_bytes: u64, stats: &RunStats) -> Be
         cgroup_limit_bytes: None,
         bytes_read_per_token: stats.bytes_read_per_token,
         stall_ms_per_token: stats.stall_ms_per_token,
+        decode_stall_ms_per_token: stats.decode_stall_ms_per_token,
         hit_ratio: stats.hit_ratio,
         tokens: stats.tokens_generated as u64,
         outputs_match_reference: None,

@@ -28,6 +28,8 @@ pub struct BenchRow {
     pub cgroup_limit_bytes: Option<u64>,
     pub bytes_read_per_token: f64,
     pub stall_ms_per_token: f64,
+    /// The part of `stall_ms_per_token` spent inside decoder steps (encoder passes left out).
+    pub decode_stall_ms_per_token: f64,
     pub hit_ratio: f64,
     pub tokens: u64,
     /// The generated ids equal those of the reference mode on the same weights

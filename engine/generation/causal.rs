@@ -46,8 +46,10 @@ pub fn complete(
     let mut cache = model.new_cache();
     options.cancellation.check()?;
     let started = Instant::now();
+    let stalled = provider.stall_ms();
     let mut logits = model.forward(prompt, &mut cache, provider, &mut out.routes)?; // [V]
     out.encode_ms = started.elapsed().as_secs_f64() * 1e3;
+    out.encode_stall_ms = provider.stall_ms() - stalled;
     for produced in 0..options.max_new_tokens {
         options.cancellation.check()?;
         let step = Instant::now();

@@ -101,6 +101,8 @@ pub struct Generation {
     pub tokens: Vec<i64>,
     /// The encoder pass (Switch) or the prompt's prefill (decoder-only).
     pub encode_ms: f64,
+    /// Of `encode_ms`, the time the compute thread waited for expert bytes.
+    pub encode_stall_ms: f64,
     /// Wall time of each decoder step (one step = one new token for every beam).
     pub step_ms: Vec<f64>,
     /// Router decisions of every MoE layer, in execution order (encoder call, then each step).

@@ -21,6 +21,8 @@ pub struct SampleStats {
     pub source_tokens: usize,
     pub tokens_generated: usize,
     pub encode_ms: f64,
+    /// Of `encode_ms`, the time waited for expert bytes.
+    pub encode_stall_ms: f64,
     /// Encoder + decoder wall time of this document.
     pub sample_ms: f64,
     pub decode_ms_per_token: f64,
@@ -75,7 +77,14 @@ pub struct RunStats {
     pub read_ms: f64,
     /// Time the compute thread waited for expert bytes (its reads + reads in flight).
     pub stall_ms: f64,
+    /// `stall_ms` / decoder steps: the encoder passes' (prompt prefills') waits included.
     pub stall_ms_per_token: f64,
+    /// Of `stall_ms`, the waits inside decoder steps: the encoder passes' (prompt prefills')
+    /// are left out, so that this over `decode_ms_per_token` × steps is the share of decoding
+    /// spent waiting for experts.
+    pub decode_stall_ms: f64,
+    /// `decode_stall_ms` / decoder steps.
+    pub decode_stall_ms_per_token: f64,
     pub mode: String,
     /// Device profile the run used, if any (`null` in the file; the key itself is required).
     #[serde(deserialize_with = "Option::deserialize")]
@@ -176,6 +185,7 @@ impl RunStats {
                     source_tokens: *source_tokens,
                     tokens_generated: g.tokens.len(),
                     encode_ms: g.encode_ms,
+                    encode_stall_ms: g.encode_stall_ms,
                     sample_ms: g.encode_ms + decode,
                     decode_ms_per_token: decode / g.step_ms.len().max(1) as f64,
                 }
@@ -183,6 +193,9 @@ impl RunStats {
             .collect();
         let tokens_generated = generations.iter().map(|(_, g)| g.tokens.len()).sum();
         let steps_total = steps.len().max(1) as f64;
+        let encode_stall_ms: f64 = generations.iter().map(|(_, g)| g.encode_stall_ms).sum();
+        // Clamped: a sum of differences can end a rounding below zero.
+        let decode_stall_ms = (experts.stall_ms - encode_stall_ms).max(0.0);
         RunStats {
             documents: generations.len(),
             tokens_generated,
@@ -206,6 +219,8 @@ impl RunStats {
             read_ms: experts.read_ms,
             stall_ms: experts.stall_ms,
             stall_ms_per_token: experts.stall_ms / steps_total,
+            decode_stall_ms,
+            decode_stall_ms_per_token: decode_stall_ms / steps_total,
             mode: cache.mode.name().into(),
             profile: None,
             policy: cache.policy.name().into(),
@@ -304,6 +319,8 @@ mod tests {
             read_ms: 4.0,
             stall_ms: 5.5,
             stall_ms_per_token: 0.3,
+            decode_stall_ms: 2.5,
+            decode_stall_ms_per_token: 0.15,
             mode: "q+p+c".into(),
             profile: Some("rpi5-nvme".into()),
             policy: "edgemoe".into(),
@@ -359,6 +376,7 @@ mod tests {
                 source_tokens: 40,
                 tokens_generated: 17,
                 encode_ms: 30.5,
+                encode_stall_ms: 3.0,
                 sample_ms: 250.0,
                 decode_ms_per_token: 12.5,
             }],
@@ -396,6 +414,8 @@ mod tests {
             "read_ms",
             "stall_ms",
             "stall_ms_per_token",
+            "decode_stall_ms",
+            "decode_stall_ms_per_token",
             "mode",
             "profile",
             "policy",
@@ -419,7 +439,7 @@ mod tests {
         assert_eq!(keys, expected);
         assert_eq!(
             json["samples"][0].as_object().unwrap().len(),
-            5,
+            6,
             "{}",
             json["samples"][0]
         );

@@ -27,8 +27,10 @@ pub fn generate(
     options.cancellation.check()?;
     let mut out = Generation::default();
     let started = Instant::now();
+    let stalled = provider.stall_ms();
     let encoded = model.encode(input_ids, provider, &mut out.routes)?;
     out.encode_ms = started.elapsed().as_secs_f64() * 1e3;
+    out.encode_stall_ms = provider.stall_ms() - stalled;
     if options.max_new_tokens == 0 {
         return Ok(out);
     }

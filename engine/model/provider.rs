@@ -78,6 +78,13 @@ pub trait ExpertProvider {
     /// sequence).
     fn begin_step(&mut self, _stack: Stack) {}
 
+    /// Milliseconds the compute thread has waited for expert bytes so far (the run's
+    /// `stall_ms`), so that a caller can tell an encoder pass's waits from decoding's; 0 for a
+    /// provider that never waits.
+    fn stall_ms(&self) -> f64 {
+        0.0
+    }
+
     /// The router of block `block` of `stack` chose `experts`: `k` per token (highest weight
     /// first), tokens row-major, so `experts.len()` = tokens × `k`. Stale prefetches for this
     /// layer can go, and the next layer's experts can be prefetched.

@@ -762,6 +762,10 @@ impl ExpertBuffer {
 }
 
 impl ExpertProvider for ExpertBuffer {
+    fn stall_ms(&self) -> f64 {
+        self.stats.stall_ms
+    }
+
     fn expert(&mut self, id: ExpertId, next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         if self.stand_in_serves(id)? {
             self.demand_for_later(id)?;

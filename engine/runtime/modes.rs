@@ -134,6 +134,10 @@ impl DemandLoader {
 }
 
 impl ExpertProvider for DemandLoader {
+    fn stall_ms(&self) -> f64 {
+        self.stats.stall_ms
+    }
+
     fn expert(&mut self, id: ExpertId, _next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         let started = Instant::now();
         let read = self.store.read_expert(id, self.slot.as_mut_slice())?;
@@ -194,6 +198,10 @@ impl MappedExperts {
 }
 
 impl ExpertProvider for MappedExperts {
+    fn stall_ms(&self) -> f64 {
+        self.stats.stall_ms
+    }
+
     fn expert(&mut self, id: ExpertId, _next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         let entry = self
             .store
@@ -325,6 +333,10 @@ impl ExpertProvider for ExpertSource {
 
     fn begin_step(&mut self, stack: Stack) {
         self.inner().begin_step(stack)
+    }
+
+    fn stall_ms(&self) -> f64 {
+        self.stats().stall_ms
     }
 
     fn routed(&mut self, stack: Stack, block: usize, k: usize, experts: &[u16]) -> Result<()> {

@@ -121,6 +121,10 @@ impl ResidentExperts {
 }
 
 impl ExpertProvider for ResidentExperts {
+    fn stall_ms(&self) -> f64 {
+        self.stats.stall_ms
+    }
+
     fn expert(&mut self, id: ExpertId, _next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
         let width = self
             .choice
