@@ -181,7 +181,8 @@ impl ExpertBuffer {
         let read_ms = store.pacer().map_or(0.0, |p| {
             p.read_cost(store.max_padded_expert_bytes()).as_secs_f64() * 1e3
         });
-        let speculation = Speculation::new(store.queue_depth(), read_ms);
+        let speculation =
+            Speculation::new(store.device_share(store.max_padded_expert_bytes()), read_ms);
         let mut stats = ExpertStats::default();
         let stand_ins = match options.stand_in {
             Some(bits) => {

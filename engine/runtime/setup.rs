@@ -36,7 +36,8 @@ pub struct CacheOptions {
     /// Record every expert access into this file.
     pub trace: Option<PathBuf>,
     pub storage: StorageMode,
-    /// Emulated device for `StorageMode::Emulate`: bytes per second and per-read latency.
+    /// The profile's device: bytes per second and per-read latency. `StorageMode::Emulate`
+    /// paces reads to it; speculation weighs what a read costs by it.
     pub emulated_device: Option<(f64, std::time::Duration)>,
     /// Reads the device serves at once (the profile's `storage_queue_depth`): the I/O
     /// scheduler's readers, and the emulated device's channels.
@@ -176,6 +177,7 @@ impl ExpertRuntime {
             .map(|b| ExpertSource::Buffer(Box::new(b)))
         };
         store.set_queue_depth(cache.queue_depth);
+        store.set_device(cache.emulated_device);
         if mode != Mode::Mmap {
             store.set_pacer(pacer.clone());
         }

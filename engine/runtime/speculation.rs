@@ -7,9 +7,11 @@
 //! - **saved**: for a speculative read the router chose, the device time of one read minus
 //!   what the compute thread still waited for it;
 //! - **cost**: for one it did not choose, the device time it took (a read cancelled before it
-//!   started costs nothing) divided by the device's queue depth (the share of the device it
-//!   held); the time demand reads waited in the queue while it was in flight; and a whole read
-//!   for every expert it evicted that is missed within the next step.
+//!   started costs nothing) times the share of the device a read holds (one channel of the
+//!   queue depth, or the bus for as long as it moves the read's bytes, whichever is more:
+//!   [`ExpertStore::device_share`](crate::store::ExpertStore::device_share)); the time demand
+//!   reads waited in the queue while it was in flight; and a whole read for every expert it
+//!   evicted that is missed within the next step.
 //!
 //! A layer speculates while the running mean of `saved − cost` over its recent candidates, and
 //! their sum since it last started, stay at or above zero. When either falls below, the layer
@@ -117,7 +119,10 @@ pub struct Speculation {
     layers: BTreeMap<(Stack, u16), LayerBook>,
     /// Running mean of the device time of one read, ms (0 until a read is seen).
     read_ms: f64,
-    queue_depth: f64,
+    /// The share of the device one read holds while it runs
+    /// ([`ExpertStore::device_share`](crate::store::ExpertStore::device_share)): 1 on a
+    /// one-channel card, and close to 1 on an NVMe drive whose reads are mostly transfer.
+    device_share: f64,
     /// Speculative reads whose expert the router chose, not yet demanded: → its layer.
     chosen: HashMap<ExpertId, (Stack, u16)>,
     /// Speculative reads not started when their layer routed without them.
@@ -136,11 +141,12 @@ fn update(mean: &mut Option<f64>, value: f64) {
 }
 
 impl Speculation {
-    pub fn new(queue_depth: usize, read_ms_estimate: f64) -> Self {
+    /// `device_share`: the share of the device one read holds (1 on a one-channel card).
+    pub fn new(device_share: f64, read_ms_estimate: f64) -> Self {
         Speculation {
             layers: BTreeMap::new(),
             read_ms: read_ms_estimate.max(0.0),
-            queue_depth: queue_depth.max(1) as f64,
+            device_share: device_share.clamp(0.0, 1.0),
             chosen: HashMap::new(),
             cancelled: Vec::new(),
             read_time: HashMap::new(),
@@ -177,12 +183,12 @@ impl Speculation {
 
     /// Whether reading `id`, predicted with `probability`, is expected to save more device time
     /// than it costs: a right guess saves the share of a read this layer's right guesses are
-    /// expected to save (see the module), a wrong one costs its share of the device (a read
-    /// over the queue depth). On a queue-depth-1 card whose reads take much longer than a
-    /// layer's compute, a right guess saves little and only near-certain predictions are read.
+    /// expected to save (see the module), a wrong one costs the share of the device a read
+    /// holds. On a queue-depth-1 card whose reads take much longer than a layer's compute, a
+    /// right guess saves little and only near-certain predictions are read.
     pub fn worth_reading(&self, id: ExpertId, probability: f64) -> bool {
         let share = self.expected_share(self.layers.get(&(id.stack, id.layer)));
-        probability * share > (1.0 - probability) / self.queue_depth
+        probability * share > (1.0 - probability) * self.device_share
     }
 
     /// A prediction for `id`'s layer, read (`issued`) or not, made now.
@@ -244,7 +250,7 @@ impl Speculation {
             update(&mut book.lead_ms, lead);
             update(&mut self.lead_ms, lead);
         }
-        let (read_ms, depth) = (self.read_ms, self.queue_depth);
+        let (read_ms, device_share) = (self.read_ms, self.device_share);
         let share = self.expected_share(Some(&book));
         for (id, issued, _) in std::mem::take(&mut book.pending) {
             let chosen = experts.contains(&id.expert);
@@ -263,7 +269,7 @@ impl Speculation {
                     // Still in flight: it will take about a read.
                     None => self.read_time.remove(&id).unwrap_or(read_ms),
                 };
-                let cost = device_ms / depth;
+                let cost = device_ms * device_share;
                 book.stats.cost_ms += cost;
                 -cost
             } else {
@@ -274,7 +280,7 @@ impl Speculation {
                 if chosen {
                     read_ms * share - evictions
                 } else {
-                    -read_ms / depth - evictions
+                    -read_ms * device_share - evictions
                 }
             };
             book.sample(net, read_ms);
@@ -383,7 +389,7 @@ mod tests {
     fn a_layer_whose_guesses_are_wrong_stops_and_resumes_when_they_improve() {
         // Predictions a whole read ahead of their routing: a right one would save a read.
         let mut clock = Clock::new(10);
-        let mut s = Speculation::new(1, 10.0);
+        let mut s = Speculation::new(1.0, 10.0);
         // Every read wasted, a whole read each on one channel: stops at the second, once more
         // than a read behind.
         for step in 0..2 {
@@ -413,9 +419,10 @@ mod tests {
 
     #[test]
     fn a_layer_stops_as_soon_as_it_is_more_than_a_read_behind() {
-        // Four channels: a wasted read costs a quarter of a read; the fifth puts the layer
-        // more than a read behind, before MIN_SAMPLES candidates.
-        let mut s = Speculation::new(4, 10.0);
+        // A read holds a quarter of the device (four channels, reads all latency): a wasted
+        // read costs a quarter of a read; the fifth puts the layer more than a read behind,
+        // before MIN_SAMPLES candidates.
+        let mut s = Speculation::new(0.25, 10.0);
         for step in 0..5 {
             assert!(s.enabled(dec(0)), "stopped early, at {step}");
             s.candidate(dec(0), true);
@@ -425,7 +432,7 @@ mod tests {
         assert!(!s.enabled(dec(0)));
         // A right guess that saved half a read, then one costly eviction: 5 − 10 ms, behind
         // by less than a read, so the layer goes on until MIN_SAMPLES candidates say more.
-        let mut s = Speculation::new(1, 10.0);
+        let mut s = Speculation::new(1.0, 10.0);
         s.candidate(dec(2), true);
         s.routed(Stack::Decoder, 1, &[2]);
         s.read(dec(2), 10.0, true);
@@ -452,7 +459,7 @@ mod tests {
         // One early loss of 9 ms (a demand read queued behind it), then 7 right guesses that
         // saved 1 ms each: the recent mean is positive by MIN_SAMPLES candidates, the sum is
         // not (−2 ms), and the layer stops.
-        let mut s = Speculation::new(1, 10.0);
+        let mut s = Speculation::new(1.0, 10.0);
         s.delayed(&[dec(0)], 9.0);
         for step in 0..7 {
             assert!(s.enabled(dec(0)), "stopped early, at {step}");
@@ -467,7 +474,7 @@ mod tests {
 
     #[test]
     fn useful_reads_keep_a_layer_on_and_count_what_they_saved() {
-        let mut s = Speculation::new(1, 10.0);
+        let mut s = Speculation::new(1.0, 10.0);
         for _ in 0..20 {
             s.candidate(dec(2), true);
             s.routed(Stack::Decoder, 1, &[2]);
@@ -483,7 +490,7 @@ mod tests {
     #[test]
     fn until_a_right_guess_is_measured_the_lead_over_a_read_is_the_expected_saving() {
         // Nothing measured yet: a right guess is assumed to save a whole read.
-        let mut s = Speculation::new(1, 10.0);
+        let mut s = Speculation::new(1.0, 10.0);
         assert!(s.worth_reading(dec(0), 0.6));
         // Predictions 1 ms ahead of their routing, reads of 10 ms: a right guess would save a
         // tenth of a read, so only predictions above 1 / (1 + 0.1) are read on one channel.
@@ -515,12 +522,12 @@ mod tests {
     #[test]
     fn only_predictions_whose_expected_saving_beats_their_device_share_are_read() {
         // Untried layer: a right guess is assumed to save a whole read.
-        let s = Speculation::new(1, 10.0);
+        let s = Speculation::new(1.0, 10.0);
         assert!(s.worth_reading(dec(0), 0.6));
         assert!(!s.worth_reading(dec(0), 0.4));
         // Right guesses that saved 1 ms of a 10 ms read (the compute they overlapped): a
         // queue-depth-1 device reads only predictions above 1 / (1 + 0.1).
-        let mut slow = Speculation::new(1, 10.0);
+        let mut slow = Speculation::new(1.0, 10.0);
         for _ in 0..200 {
             slow.candidate(dec(2), true);
             slow.routed(Stack::Decoder, 1, &[2]);
@@ -529,8 +536,9 @@ mod tests {
         }
         assert!(!slow.worth_reading(dec(2), 0.85));
         assert!(slow.worth_reading(dec(2), 0.95));
-        // Four channels: a wrong guess holds a quarter of the device.
-        let mut deep = Speculation::new(4, 10.0);
+        // A device whose reads are all latency, over four channels: a wrong guess holds a
+        // quarter of it.
+        let mut deep = Speculation::new(0.25, 10.0);
         for _ in 0..200 {
             deep.candidate(dec(2), true);
             deep.routed(Stack::Decoder, 1, &[2]);
@@ -539,11 +547,23 @@ mod tests {
         }
         assert!(deep.worth_reading(dec(2), 0.25));
         assert!(!deep.worth_reading(dec(2), 0.15));
+        // The same four channels behind one bus that 512 KiB reads keep busy (a read holds
+        // 0.96 of the device, `ExpertStore::device_share`): a guess as likely wrong as right
+        // costs about what it saves, and is not read.
+        let mut bus = Speculation::new(0.96, 10.0);
+        for _ in 0..200 {
+            bus.candidate(dec(2), true);
+            bus.routed(Stack::Decoder, 1, &[2]);
+            bus.read(dec(2), 10.0, true);
+            bus.demanded(dec(2), 0.0);
+        }
+        assert!(!bus.worth_reading(dec(2), 0.45));
+        assert!(bus.worth_reading(dec(2), 0.55));
     }
 
     #[test]
     fn an_eviction_missed_soon_after_is_charged_to_the_layer() {
-        let mut s = Speculation::new(2, 10.0);
+        let mut s = Speculation::new(0.5, 10.0);
         let victim = ExpertId {
             stack: Stack::Decoder,
             layer: 0,

@@ -129,6 +129,9 @@ pub struct ExpertStore {
     pacer: Option<ReadPacer>,
     /// Reads worth keeping in flight on the device (the profile's queue depth).
     queue_depth: usize,
+    /// The profile's model of the device, emulated or not: bytes per second and per-read
+    /// latency.
+    device: Option<(f64, std::time::Duration)>,
     index: StoreIndex,
     /// Position of each expert in `index.experts`, by (stack, layer, expert).
     lookup: std::collections::HashMap<ExpertId, usize>,
@@ -274,6 +277,7 @@ impl ExpertStore {
             direct: None,
             pacer: None,
             queue_depth: 1,
+            device: None,
             index,
             lookup,
         })
@@ -339,6 +343,22 @@ impl ExpertStore {
 
     pub fn queue_depth(&self) -> usize {
         self.queue_depth
+    }
+
+    /// The device's bandwidth (bytes per second) and per-read latency, from its profile.
+    pub fn set_device(&mut self, device: Option<(f64, std::time::Duration)>) {
+        self.device = device;
+    }
+
+    /// The share of the device a read of `bytes` holds while it runs: see [`device_share`].
+    /// Without a device model, one channel's worth (1 / queue depth).
+    pub fn device_share(&self, bytes: u64) -> f64 {
+        match self.device {
+            Some((bytes_per_s, latency)) => {
+                device_share(bytes, bytes_per_s, latency, self.queue_depth)
+            }
+            None => 1.0 / self.queue_depth as f64,
+        }
     }
 
     /// The emulated device reads are paced to, if any.
@@ -436,10 +456,63 @@ pub(crate) fn decode_index(bytes: &[u8]) -> bincode::Result<StoreIndex> {
         .deserialize(bytes)
 }
 
+/// The device time a read of `bytes` adds to a busy device, as a share of the read's own time
+/// (`latency + bytes / bandwidth`): what a read nobody needed takes from the others. Each of
+/// the `queue_depth` channels holds a read for its whole time, and one bus moves one read's
+/// bytes at a time (the model [`ReadPacer`] emulates), so the share is the larger of one
+/// channel's (1 / queue depth) and the transfer's share of a read. It is 1 on a one-channel
+/// card. For 512 KiB on the `rpi5-nvme` profile (4 channels, 60 µs, 442 MB/s) it is 0.95, not
+/// a quarter: reads that size keep the bus busy.
+pub fn device_share(
+    bytes: u64,
+    bytes_per_s: f64,
+    latency: std::time::Duration,
+    queue_depth: usize,
+) -> f64 {
+    let channel = 1.0 / queue_depth.max(1) as f64;
+    let transfer = if bytes_per_s > 0.0 {
+        bytes as f64 / bytes_per_s
+    } else {
+        0.0
+    };
+    let read = transfer + latency.as_secs_f64();
+    if read > 0.0 {
+        (transfer / read).max(channel).min(1.0)
+    } else {
+        channel
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::{Duration, Instant};
+
+    /// What a read adds to a saturated emulated device, measured on the pacer's bookings,
+    /// is `device_share` of the read's own time: bus-bound, latency-bound and one-channel.
+    #[test]
+    fn a_reads_device_share_is_what_it_adds_to_a_busy_device() {
+        for (bytes, latency_us, depth) in [
+            (512u64 << 10, 60u64, 4usize), // rpi5-nvme: the bus
+            (4 << 10, 60, 4),              // small reads: the channels
+            (512 << 10, 800, 1),           // an SD card: the whole read
+            (64 << 10, 200, 2),
+        ] {
+            let (bytes_per_s, latency) = (442e6, Duration::from_micros(latency_us));
+            let pacer = ReadPacer::with_queue_depth(bytes_per_s, latency, depth);
+            let done: Vec<Instant> = (0..200).map(|_| pacer.book(bytes)).collect();
+            let added = (done[199] - done[99]).as_secs_f64() / 100.0;
+            let read = pacer.read_cost(bytes).as_secs_f64();
+            let share = device_share(bytes, bytes_per_s, latency, depth);
+            assert!(
+                (added / read - share).abs() < 0.01,
+                "{bytes} B, {latency_us} µs, depth {depth}: adds {:.3} of a read, share {share:.3}",
+                added / read
+            );
+        }
+        let nvme = device_share(512 << 10, 442e6, Duration::from_micros(60), 4);
+        assert!(nvme > 0.9, "{nvme}");
+    }
 
     #[test]
     fn pacing_delivers_the_configured_bandwidth() {
