@@ -1,8 +1,9 @@
 //! Reading experts from the device: the I/O scheduler serves demand reads before queued
 //! speculative ones (and never stops a started read); the emulated device takes the time its
-//! profile says per read, at one read in flight and at several; and a damaged expert is an
-//! error however it is first read — by a speculative prefetch that the model then uses without
-//! reading it again, or through the memory map of `mmap` mode.
+//! profile says per read, at one read in flight and at several; a run's waits split into the
+//! encoder passes' and decoding's; and a damaged expert is an error however it is first read —
+//! by a speculative prefetch that the model then uses without reading it again, or through the
+//! memory map of `mmap` mode.
 
 mod common;
 

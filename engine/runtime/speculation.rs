@@ -548,9 +548,9 @@ mod tests {
         assert!(deep.worth_reading(dec(2), 0.25));
         assert!(!deep.worth_reading(dec(2), 0.15));
         // The same four channels behind one bus that 512 KiB reads keep busy (a read holds
-        // 0.96 of the device, `ExpertStore::device_share`): a guess as likely wrong as right
+        // 0.95 of the device, `store::reader::device_share`): a guess as likely wrong as right
         // costs about what it saves, and is not read.
-        let mut bus = Speculation::new(0.96, 10.0);
+        let mut bus = Speculation::new(0.95, 10.0);
         for _ in 0..200 {
             bus.candidate(dec(2), true);
             bus.routed(Stack::Decoder, 1, &[2]);
