@@ -461,7 +461,11 @@ impl ExpertBuffer {
                     if self.speculation.missed(id, self.step) {
                         self.refresh_speculation_stats();
                     }
-                    if self.io.is_some() {
+                    // With reads in flight, the I/O scheduler puts this one ahead of every
+                    // queued speculative read. On an idle device it is read here: handing it
+                    // to a reader thread and back costs two thread wake-ups, ~0.1 ms a read on
+                    // a 2-core VM (7% of a 512 KiB read on the `rpi5-nvme` profile).
+                    if !self.in_flight.is_empty() {
                         self.submit(id, slot, ReadKind::Miss);
                         self.wait_for(Some(id))?;
                         return Ok(slot);
@@ -482,6 +486,7 @@ impl ExpertBuffer {
                     self.stats.read_ms += ms;
                     self.stats.stall_ms += ms;
                     self.stats.bytes_read += read;
+                    self.speculation.read(id, ms, false);
                     return Ok(slot);
                 }
                 None => {
