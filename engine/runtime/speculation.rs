@@ -525,38 +525,32 @@ mod tests {
         let s = Speculation::new(1.0, 10.0);
         assert!(s.worth_reading(dec(0), 0.6));
         assert!(!s.worth_reading(dec(0), 0.4));
+        // A layer whose 200 speculative reads (10 ms each) were all chosen, each waited for
+        // `waited` ms.
+        let right_guesses = |device_share: f64, waited: f64| {
+            let mut s = Speculation::new(device_share, 10.0);
+            for _ in 0..200 {
+                s.candidate(dec(2), true);
+                s.routed(Stack::Decoder, 1, &[2]);
+                s.read(dec(2), 10.0, true);
+                s.demanded(dec(2), waited);
+            }
+            s
+        };
         // Right guesses that saved 1 ms of a 10 ms read (the compute they overlapped): a
         // queue-depth-1 device reads only predictions above 1 / (1 + 0.1).
-        let mut slow = Speculation::new(1.0, 10.0);
-        for _ in 0..200 {
-            slow.candidate(dec(2), true);
-            slow.routed(Stack::Decoder, 1, &[2]);
-            slow.read(dec(2), 10.0, true);
-            slow.demanded(dec(2), 9.0);
-        }
+        let slow = right_guesses(1.0, 9.0);
         assert!(!slow.worth_reading(dec(2), 0.85));
         assert!(slow.worth_reading(dec(2), 0.95));
         // A device whose reads are all latency, over four channels: a wrong guess holds a
         // quarter of it.
-        let mut deep = Speculation::new(0.25, 10.0);
-        for _ in 0..200 {
-            deep.candidate(dec(2), true);
-            deep.routed(Stack::Decoder, 1, &[2]);
-            deep.read(dec(2), 10.0, true);
-            deep.demanded(dec(2), 0.0);
-        }
+        let deep = right_guesses(0.25, 0.0);
         assert!(deep.worth_reading(dec(2), 0.25));
         assert!(!deep.worth_reading(dec(2), 0.15));
         // The same four channels behind one bus that 512 KiB reads keep busy (a read holds
         // 0.95 of the device, `store::reader::device_share`): a guess as likely wrong as right
         // costs about what it saves, and is not read.
-        let mut bus = Speculation::new(0.95, 10.0);
-        for _ in 0..200 {
-            bus.candidate(dec(2), true);
-            bus.routed(Stack::Decoder, 1, &[2]);
-            bus.read(dec(2), 10.0, true);
-            bus.demanded(dec(2), 0.0);
-        }
+        let bus = right_guesses(0.95, 0.0);
         assert!(!bus.worth_reading(dec(2), 0.45));
         assert!(bus.worth_reading(dec(2), 0.55));
     }
