@@ -16,8 +16,9 @@ use common::golden::{decoder_golden, golden_dictionary, greedy_options, DecoderG
 
 use edgemoe::bundle::Bundle;
 use edgemoe::cache::replay::replay;
-use edgemoe::cache::trace::read_trace;
+use edgemoe::cache::trace::{read_trace, AccessKind};
 use edgemoe::cache::Policy;
+use edgemoe::config::profile::DeviceProfile;
 use edgemoe::dictionary::PathDictionary;
 use edgemoe::generation::causal::complete;
 use edgemoe::ids::Stack;
@@ -26,6 +27,7 @@ use edgemoe::offline::calibrate::{build_dictionary, collect_paths};
 use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
 use edgemoe::runtime::predict::PredictorKind;
 use edgemoe::runtime::stats::ExpertStats;
+use edgemoe::store::StorageMode;
 
 /// The demo model converted and calibrated on 20 SAMSum train dialogues, shared by the tests.
 fn calibrated_bundle() -> &'static Path {
@@ -147,6 +149,23 @@ fn assert_replay_matches_live(
     for p in Policy::ONLINE {
         assert!(replay(&header, &events, p, slots, true).hits <= best);
     }
+    // The waits the trace records add up to the run's stall (every wait is a demand access's),
+    // and every demand read waited for its bytes.
+    let waited: f64 = events.iter().filter_map(|e| e.waited_ms).sum();
+    assert!(
+        (waited - live.stall_ms).abs() <= 1e-9 * live.stall_ms.max(1.0),
+        "the trace's waits add up to {waited} ms, the run stalled {} ms",
+        live.stall_ms
+    );
+    let waiting = events.iter().filter(|e| e.waited_ms.is_some()).count() as u64;
+    assert!(
+        waiting >= live.misses,
+        "{waiting} waits for {} misses",
+        live.misses
+    );
+    assert!(events
+        .iter()
+        .all(|e| e.kind == AccessKind::Demand || e.waited_ms.is_none()));
 }
 
 #[test]
@@ -234,15 +253,25 @@ fn switch_replay_of_a_live_trace_gives_the_live_hit_counts() {
     let bundle = calibrated_bundle();
     let docs = common::samsum_dialogues("test", 3);
     let dir = tempfile::tempdir().unwrap();
-    for (policy, prefetch, slots) in [
-        (Policy::Edgemoe, true, 6),
-        (Policy::Lru, false, 6),
-        (Policy::Lfu, true, 12),
-        (Policy::EdgemoePaper, false, 3),
+    // The last run reads from an emulated NVMe drive (four reads in flight): right guesses
+    // still being read when the model needs them are waited for.
+    let nvme = DeviceProfile::load("rpi5-nvme").unwrap();
+    for (policy, prefetch, slots, emulate) in [
+        (Policy::Edgemoe, true, 6, false),
+        (Policy::Lru, false, 6, false),
+        (Policy::Lfu, true, 12, false),
+        (Policy::EdgemoePaper, false, 3, false),
+        (Policy::Edgemoe, true, 6, true),
     ] {
         let trace = dir
             .path()
-            .join(format!("{policy}-{prefetch}-{slots}.jsonl"));
+            .join(format!("{policy}-{prefetch}-{slots}-{emulate}.jsonl"));
+        let device = CacheOptions {
+            storage: StorageMode::Emulate,
+            emulated_device: Some((nvme.read_bytes_per_s, nvme.read_latency)),
+            queue_depth: nvme.queue_depth,
+            ..CacheOptions::default()
+        };
         let mut s = open_summarizer_with(
             bundle,
             big(),
@@ -251,7 +280,11 @@ fn switch_replay_of_a_live_trace_gives_the_live_hit_counts() {
                 prefetch,
                 buffer_experts: Some(slots),
                 trace: Some(trace.clone()),
-                ..CacheOptions::default()
+                ..if emulate {
+                    device
+                } else {
+                    CacheOptions::default()
+                }
             },
             None,
         );

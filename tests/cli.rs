@@ -1453,6 +1453,7 @@ fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
                 expert,
                 current: Some(layer),
                 pinned: vec![],
+                waited_ms: None,
             })
             .unwrap();
     }

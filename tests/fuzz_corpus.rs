@@ -204,6 +204,7 @@ fn make_fuzz_corpus() {
                 } else {
                     vec![]
                 },
+                waited_ms: None,
             })
             .unwrap();
     }

@@ -159,6 +159,7 @@ mod tests {
             expert,
             current: Some(layer),
             pinned: vec![],
+            waited_ms: None,
         }
     }
 

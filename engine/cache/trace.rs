@@ -55,6 +55,11 @@ pub struct TraceEvent {
     /// Experts that could not be evicted at this moment (being computed on or being read).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pinned: Vec<ExpertId>,
+    /// A demand access that waited for expert bytes: milliseconds the compute thread waited
+    /// (its own read, a read in flight, or a slot to free). Over a run they add up to the
+    /// run's `stall_ms`. Absent for an access that did not wait, and for other kinds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waited_ms: Option<f64>,
 }
 
 impl TraceEvent {

@@ -309,6 +309,17 @@ impl ExpertBuffer {
     }
 
     fn log(&mut self, kind: AccessKind, id: ExpertId, pinned: &[ExpertId]) -> Result<()> {
+        self.log_waited(kind, id, pinned, None)
+    }
+
+    /// [`Self::log`] with the milliseconds a demand access waited, if it did.
+    fn log_waited(
+        &mut self,
+        kind: AccessKind,
+        id: ExpertId,
+        pinned: &[ExpertId],
+        waited_ms: Option<f64>,
+    ) -> Result<()> {
         let Some(trace) = self.trace.as_mut() else {
             return Ok(());
         };
@@ -322,6 +333,7 @@ impl ExpertBuffer {
             expert: id.expert,
             current: self.current.map(|c| c as u16),
             pinned,
+            waited_ms,
         })
     }
 
@@ -422,10 +434,14 @@ impl ExpertBuffer {
         self.stats.prefetch.per_layer = self.speculation.per_layer();
     }
 
-    /// The slot that holds `id`, ready to decode.
+    /// The slot that holds `id`, ready to decode. Its trace event is written once the bytes
+    /// are there, with what it waited: no other event can come between (only a failed read
+    /// or a shutdown logs while reads complete).
     fn demand(&mut self, id: ExpertId) -> Result<usize> {
         self.in_use = None;
         self.drain_completions()?;
+        // Waits for a slot to free, before the access itself.
+        let mut waited_for_slot = 0.0;
         loop {
             let pinned = self.pinned();
             let ctx = AccessContext {
@@ -435,7 +451,6 @@ impl ExpertBuffer {
             };
             match self.table.demand(id, &ctx) {
                 Some(Outcome::Hit { slot, prefetched }) => {
-                    self.log(AccessKind::Demand, id, &pinned)?;
                     self.stats.record(id, true);
                     if prefetched {
                         self.stats.prefetch.useful += 1;
@@ -449,13 +464,19 @@ impl ExpertBuffer {
                         }
                         waited = self.wait_for(Some(id))?;
                     }
+                    let total = waited_for_slot + waited;
+                    self.log_waited(
+                        AccessKind::Demand,
+                        id,
+                        &pinned,
+                        (total > 0.0).then_some(total),
+                    )?;
                     if self.speculation.demanded(id, waited) {
                         self.refresh_speculation_stats();
                     }
                     return Ok(slot);
                 }
                 Some(Outcome::Miss { slot, evicted }) => {
-                    self.log(AccessKind::Demand, id, &pinned)?;
                     self.stats.record(id, false);
                     self.note_eviction(evicted);
                     if self.speculation.missed(id, self.step) {
@@ -467,7 +488,9 @@ impl ExpertBuffer {
                     // a 2-core VM (7% of a 512 KiB read on the `rpi5-nvme` profile).
                     if !self.in_flight.is_empty() {
                         self.submit(id, slot, ReadKind::Miss);
-                        self.wait_for(Some(id))?;
+                        let waited = self.wait_for(Some(id))?;
+                        let total = waited_for_slot + waited;
+                        self.log_waited(AccessKind::Demand, id, &pinned, Some(total))?;
                         return Ok(slot);
                     }
                     let started = Instant::now();
@@ -487,6 +510,8 @@ impl ExpertBuffer {
                     self.stats.stall_ms += ms;
                     self.stats.bytes_read += read;
                     self.speculation.read(id, ms, false);
+                    let total = waited_for_slot + ms;
+                    self.log_waited(AccessKind::Demand, id, &pinned, Some(total))?;
                     return Ok(slot);
                 }
                 None => {
@@ -497,7 +522,7 @@ impl ExpertBuffer {
                             self.table.len()
                         )));
                     }
-                    self.wait_for(None)?;
+                    waited_for_slot += self.wait_for(None)?;
                 }
             }
         }
