@@ -268,7 +268,7 @@ fn switch_replay_of_a_live_trace_gives_the_live_hit_counts() {
             .join(format!("{policy}-{prefetch}-{slots}-{emulate}.jsonl"));
         let device = CacheOptions {
             storage: StorageMode::Emulate,
-            emulated_device: Some((nvme.read_bytes_per_s, nvme.read_latency)),
+            storage_device: Some((nvme.read_bytes_per_s, nvme.read_latency)),
             queue_depth: nvme.queue_depth,
             ..CacheOptions::default()
         };

@@ -212,7 +212,7 @@ fn a_runs_stall_splits_into_the_encoders_and_decodings() {
         mode: Mode::IoExp,
         prefetch: false,
         storage: StorageMode::Emulate,
-        emulated_device: Some((profile.read_bytes_per_s, profile.read_latency)),
+        storage_device: Some((profile.read_bytes_per_s, profile.read_latency)),
         queue_depth: profile.queue_depth,
         ..CacheOptions::default()
     };

@@ -255,7 +255,7 @@ impl CacheArgs {
                 buffer_experts: self.buffer_experts.map(|n| n as usize),
                 trace: self.trace.clone(),
                 storage: self.storage,
-                emulated_device: profile
+                storage_device: profile
                     .as_ref()
                     .map(|p| (p.read_bytes_per_s, p.read_latency)),
                 queue_depth: profile.as_ref().map_or(1, |p| p.queue_depth),

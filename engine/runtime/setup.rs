@@ -36,9 +36,9 @@ pub struct CacheOptions {
     /// Record every expert access into this file.
     pub trace: Option<PathBuf>,
     pub storage: StorageMode,
-    /// The profile's device: bytes per second and per-read latency. `StorageMode::Emulate`
+    /// The profile's storage device: bytes per second and per-read latency. `StorageMode::Emulate`
     /// paces reads to it; speculation weighs what a read costs by it.
-    pub emulated_device: Option<(f64, std::time::Duration)>,
+    pub storage_device: Option<(f64, std::time::Duration)>,
     /// Reads the device serves at once (the profile's `storage_queue_depth`): the I/O
     /// scheduler's readers, and the emulated device's channels.
     pub queue_depth: usize,
@@ -61,7 +61,7 @@ impl Default for CacheOptions {
             buffer_experts: None,
             trace: None,
             storage: StorageMode::Cached,
-            emulated_device: None,
+            storage_device: None,
             queue_depth: 1,
             mode: Mode::Edgemoe,
             quantized_bundle: None,
@@ -124,7 +124,7 @@ impl ExpertRuntime {
             &spec.expert_layout(),
             storage,
         )?;
-        let pacer = match (cache.storage, cache.emulated_device) {
+        let pacer = match (cache.storage, cache.storage_device) {
             (StorageMode::Emulate, Some((bw, latency))) => {
                 Some(ReadPacer::with_queue_depth(bw, latency, cache.queue_depth))
             }
@@ -177,7 +177,7 @@ impl ExpertRuntime {
             .map(|b| ExpertSource::Buffer(Box::new(b)))
         };
         store.set_queue_depth(cache.queue_depth);
-        store.set_device(cache.emulated_device);
+        store.set_device(cache.storage_device);
         if mode != Mode::Mmap {
             store.set_pacer(pacer.clone());
         }
