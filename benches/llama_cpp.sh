@@ -15,13 +15,17 @@
 #   If this edgemoe has no `convert --resident` yet, bundles are converted without it (resident
 #   weights stored as the checkpoint's bf16, computed in f32) and a note says so.
 # Prints the GGUF tensor types and one table: tg ms/token and pp512 tokens/s of both, with
-# ratios engine/llama.cpp, for every thread count in $THREADS.
+# ratios engine/llama.cpp, for every thread count in $THREADS (and with PAIRED_ROUNDS, a second
+# table of interleaved decode rounds).
 # Everything is cached under OUT_DIR and target/llama.cpp except the measurements.
 # Usage: benches/llama_cpp.sh [OUT_DIR]   (after ./setup.sh; needs cmake and a C++ compiler,
 #        and PyPI the first time)   env: THREADS="1 2" (default 1 and all cores), REPS=3 (llama-bench -r),
 #        ENGINE_REPS=1, PAIRS="Q4_0 4 int8;Q4_0 4 int4" (only these GGUF | --bits | --resident),
 #        LLAMA_CPP_PYTHON_VERSION=0.3.36 (the sdist whose vendor/llama.cpp is built),
-#        EDGEMOE_BIN=target/release/edgemoe (another build, to compare two side by side)
+#        EDGEMOE_BIN=target/release/edgemoe (another build, to compare two side by side),
+#        PAIRED_ROUNDS=0 (N > 0: also N interleaved rounds of decode, llama.cpp and the engine
+#        back to back, and the median of the rounds' ratios: the figure that holds on a shared
+#        machine)
 set -euo pipefail
 started=$SECONDS
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -150,6 +154,31 @@ done
 echo "== llama.cpp (llama-cpp-python $version sdist) vs edgemoe, $(uname -m), $cores cores;" \
   "tg: ms/token (lower is better), pp512: tokens/s (higher is better)"
 "$py" benches/llama_cpp_table.py table "$out" "$threads" "${labels[@]}"
+
+# --- decode, interleaved: PAIRED_ROUNDS rounds of llama.cpp and the engine back to back ------
+paired_rounds="${PAIRED_ROUNDS:-0}"
+if [ "$paired_rounds" -gt 0 ]; then
+  rm -f "$out"/paired-*.json
+  for pair in "${pairs[@]}"; do
+    read -r gtype bits resident <<< "$pair"
+    key="$(bundle_key "$bits" "$resident")"
+    for t in $threads; do
+      for r in $(seq 1 "$paired_rounds"); do
+        llama_run() {
+          "$build/bin/llama-bench" -m "$out/olmoe-2l-$gtype.gguf" -p 0 -n 32 -t "$t" -r 1 \
+            -o json > "$out/paired-$gtype-t$t-r$r.json" 2>> "$out/llama-bench-$gtype.log"
+        }
+        engine_run() {
+          "$bin" generate --model "$out/bundle-$key" --prompt-ids "$short" --max-new-tokens 32 \
+            --mode io-free --threads "$t" --ids -q --stats-json "$out/paired-$key-t$t-r$r.json" \
+            > /dev/null
+        }
+        if [ $((r % 2)) = 1 ]; then llama_run; engine_run; else engine_run; llama_run; fi
+      done
+    done
+  done
+  "$py" benches/llama_cpp_table.py paired "$out" "$threads" "$paired_rounds" "${labels[@]}"
+fi
 echo "load average (1/5/15 min) before the measurements: $load_start, after: $(cut -d' ' -f1-3 /proc/loadavg)" \
   "(anything else running on the machine skews these figures, multi-thread ones most)"
 echo "total $((SECONDS - started)) s"

@@ -7,6 +7,10 @@
     llama_cpp_table.py table OUT THREADS PAIR...
                                               the side-by-side table from OUT's JSON files;
                                               THREADS "1 2"; PAIR "GGUF_TYPE|engine label"
+    llama_cpp_table.py paired OUT THREADS ROUNDS PAIR...
+                                              decode only, from the interleaved rounds
+                                              (PAIRED_ROUNDS): each round's engine/llama.cpp ratio,
+                                              their median and range
 
 Figures: llama.cpp's are llama-bench's means over its repetitions (`-r`): tg = 1000 / avg_ts of
 `tg32` (32 single-token decodes from an empty context), pp = avg_ts of `pp512` (one 512-token
@@ -103,6 +107,32 @@ def table(out, threads, pairs):
         print("note:", note)
 
 
+def paired(out, threads, rounds, pairs):
+    """Rounds alternate the two programs back to back, so both see the same machine: on a
+    shared machine the memory bandwidth left to a process moves by ±20% within minutes, and a
+    ratio of two means taken minutes apart moves with it. The median of the rounds' ratios is
+    the figure to quote."""
+    print(f"decode (tg32) in {rounds} interleaved rounds: llama-bench -p 0 -n 32 -r 1 and the "
+          "engine back to back, alternating which goes first; ms/token")
+    head = (f"{'llama.cpp GGUF | engine bundle':<40} | thr | llama.cpp median | engine median "
+            "| engine/llama per round: median (min-max)")
+    print(head)
+    print("-" * len(head))
+    for pair in pairs:
+        gtype, key, label = pair.split("|", 2)
+        for t in threads:
+            llama, engine = [], []
+            for r in range(1, rounds + 1):
+                bench = json.load(open(os.path.join(out, f"paired-{gtype}-t{t}-r{r}.json")))
+                llama.append(1e3 / bench[0]["avg_ts"])
+                run = json.load(open(os.path.join(out, f"paired-{key}-t{t}-r{r}.json")))
+                engine.append(run["decode_ms_per_token"])
+            ratios = [e / l for e, l in zip(engine, llama)]
+            print(f"{gtype + ' | ' + label:<40} | {t:>3} | {statistics.median(llama):>16.2f} "
+                  f"| {statistics.median(engine):>14.2f} | {statistics.median(ratios):.3f}x "
+                  f"({min(ratios):.3f}-{max(ratios):.3f})")
+
+
 def main():
     cmd = sys.argv[1]
     if cmd == "types":
@@ -111,6 +141,9 @@ def main():
         ids(int(sys.argv[2]), int(sys.argv[3]))
     elif cmd == "table":
         table(sys.argv[2], [int(t) for t in sys.argv[3].split()], sys.argv[4:])
+    elif cmd == "paired":
+        paired(sys.argv[2], [int(t) for t in sys.argv[3].split()], int(sys.argv[4]),
+               sys.argv[5:])
     else:
         sys.exit(f"unknown command {cmd}")
 
