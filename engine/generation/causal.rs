@@ -23,7 +23,7 @@ use crate::model::DecoderOnlyModel;
 use crate::tokenizer::Tokenizer;
 
 use super::decoding::{DecodeOptions, Generation};
-use super::sampling::{sample_top_p, Sampling, SplitMix64};
+use super::sampling::{greedy_token, sample_top_p, Sampling, SplitMix64};
 
 /// Generates up to `max_new_tokens` after `prompt`, calling `on_token` with each new token as
 /// soon as it is chosen.
@@ -67,7 +67,7 @@ pub fn complete(
                 let values = Vec::<f32>::try_from(&logits)?;
                 sample_top_p(&values, temperature, top_p, rng)
             }
-            _ => logits.f_argmax(-1, false)?.f_int64_value(&[])?,
+            _ => greedy_token(&logits)?,
         };
         if produced > 0 {
             out.step_ms.push(step.elapsed().as_secs_f64() * 1e3);

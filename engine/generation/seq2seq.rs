@@ -15,6 +15,7 @@ use crate::model::provider::ExpertProvider;
 use crate::model::SwitchModel;
 
 use super::decoding::{DecodeOptions, Generation};
+use super::sampling::greedy_token;
 
 /// Summarizes/translates one source sequence.
 pub fn generate(
@@ -88,7 +89,7 @@ fn greedy(
             0,
             &banned_ngram_tokens(&seq, options.no_repeat_ngram_size),
         )?;
-        let next = logits.f_argmax(-1, false)?.f_int64_value(&[0])?;
+        let next = greedy_token(&logits)?;
         seq.push(next);
         out.step_ms.push(step.elapsed().as_secs_f64() * 1e3);
         if next == options.eos_token_id {

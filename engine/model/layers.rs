@@ -12,12 +12,44 @@ use crate::quant::matrix::{matmul, MatrixFormat, MatrixRef, PackedMatrix};
 
 /// `SwitchTransformersLayerNorm`: RMS norm, no mean subtraction, no bias.
 pub struct RmsNorm {
-    pub weight: Tensor,
-    pub eps: f64,
+    weight: Tensor,
+    /// The weight's values on the host, for one row normed in plain loops (taken at the first
+    /// such row: a model is also assembled from placeholders that hold no values).
+    values: std::sync::OnceLock<Vec<f32>>,
+    eps: f64,
 }
 
 impl RmsNorm {
+    /// Up to this many rows (a decode step, beams included) are normed in plain loops; more
+    /// (an encoder pass, a prompt) by libtorch's vectorised ops.
+    const LOOP_ROWS: usize = 8;
+
+    pub fn new(weight: Tensor, eps: f64) -> Result<Self> {
+        Ok(RmsNorm {
+            weight,
+            values: std::sync::OnceLock::new(),
+            eps,
+        })
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let width = self.weight.numel();
+        if x.device() == Device::Cpu
+            && self.weight.device() == Device::Cpu
+            && x.kind() == Kind::Float
+            && self.weight.kind() == Kind::Float
+            && width > 0
+            && x.size().last() == Some(&(width as i64))
+            && x.numel() <= Self::LOOP_ROWS * width
+        {
+            // A decode step's rows: the same math without six tensor ops' overhead.
+            let rows = Vec::<f32>::try_from(&x.f_reshape([-1])?)?;
+            let mut normed = Vec::with_capacity(rows.len());
+            for row in rows.chunks_exact(width) {
+                normed.extend(self.forward_row(row)?);
+            }
+            return Ok(Tensor::f_from_slice(&normed)?.f_view(x.size().as_slice())?);
+        }
         // variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
         let variance = x
             .f_pow_tensor_scalar(2)?
@@ -26,6 +58,26 @@ impl RmsNorm {
         let normed = x.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?;
         // return self.weight * hidden_states
         Ok(self.weight.f_mul(&normed)?)
+    }
+
+    /// One row normed: `weight · x / sqrt(mean(x²) + eps)`, the mean of squares summed in f64
+    /// (libtorch sums in f32 over several lanes; both are within an f32 rounding of the exact
+    /// mean), every other step in f32 as libtorch rounds it.
+    fn forward_row(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let values = match self.values.get() {
+            Some(values) => values,
+            None => {
+                let values = Vec::<f32>::try_from(&self.weight.f_reshape([-1])?)?;
+                self.values.get_or_init(|| values)
+            }
+        };
+        let squares: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
+        let variance = (squares / x.len() as f64) as f32;
+        let scale = 1.0 / (variance + self.eps as f32).sqrt();
+        Ok(x.iter()
+            .zip(values)
+            .map(|(&v, &w)| w * (v * scale))
+            .collect())
     }
 }
 
