@@ -245,7 +245,7 @@ impl DecoderOnlyModel {
         let d = spec.hidden_size;
         let (q, kv) = (spec.q_dim(), spec.kv_dim());
         let norm = |weight: Linear| -> Result<RmsNorm> {
-            RmsNorm::new(weight.to_tensor()?, spec.rms_norm_eps)
+            Ok(RmsNorm::new(weight.to_tensor()?, spec.rms_norm_eps))
         };
         let embed_tokens = get("model.embed_tokens.weight".into(), &[spec.vocab_size, d])?;
         let lm_head = if spec.tie_word_embeddings {

@@ -165,7 +165,7 @@ impl SwitchModel {
             Some(get("lm_head.weight", &[spec.vocab_size, d])?)
         };
         let norm = |w: Linear| -> Result<RmsNorm> {
-            RmsNorm::new(w.to_tensor()?, spec.layer_norm_epsilon)
+            Ok(RmsNorm::new(w.to_tensor()?, spec.layer_norm_epsilon))
         };
         let mut stacks = Vec::new();
         for stack in [Stack::Encoder, Stack::Decoder] {
