@@ -364,7 +364,10 @@ fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     }) + reference::dot_bf16(&row[head * 2..], &x[head..])
 }
 
-/// f32 rows: 32 values per step in four accumulators, the rest scalar.
+/// f32 rows: 32 values per step in four accumulators, the rest scalar. No software prefetch:
+/// the hardware prefetchers keep up with one stream of f32 rows, and a prefetch per cache line
+/// [`PREFETCH_AHEAD`] ahead made an OLMoE-shaped f32 decode step 1.4× slower on one Zen 4 core
+/// (BENCHMARKS.md §9.12).
 #[target_feature(enable = "avx2,fma")]
 fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
     let steps = x.len() / 32;
@@ -372,8 +375,6 @@ fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
     let w = row.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 4];
     for s in 0..steps {
-        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(s * 128 + PREFETCH_AHEAD).cast());
-        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(s * 128 + 64 + PREFETCH_AHEAD).cast());
         let xs = &x[s * 32..s * 32 + 32];
         for (j, a) in acc.iter_mut().enumerate() {
             // SAFETY: 32 bytes from `(s × 32 + j × 8) × 4`, inside the length asserted above.
