@@ -20,14 +20,7 @@ pub enum Sampling {
 /// or the first NaN where there is one (argmax ranks NaN above every number), in plain loops
 /// over the tensor's memory: less than libtorch's reduction costs to set up for one row.
 pub fn greedy_token(logits: &tch::Tensor) -> crate::error::Result<i64> {
-    if logits.device() == tch::Device::Cpu
-        && logits.kind() == tch::Kind::Float
-        && logits.is_contiguous()
-    {
-        // SAFETY: a contiguous f32 CPU tensor of `numel` values, borrowed while `logits` lives
-        // and only read.
-        let values =
-            unsafe { std::slice::from_raw_parts(logits.data_ptr() as *const f32, logits.numel()) };
+    if let Some(values) = crate::model::layers::f32_values(logits) {
         return Ok(argmax(values));
     }
     let values = Vec::<f32>::try_from(&logits.f_to_kind(tch::Kind::Float)?.f_reshape([-1])?)?;

@@ -43,11 +43,10 @@ impl RmsNorm {
             && x.numel() <= Self::LOOP_ROWS * width
         {
             // A decode step's rows: the same math without six tensor ops' overhead.
-            let rows = Vec::<f32>::try_from(&x.f_reshape([-1])?)?;
-            let mut normed = Vec::with_capacity(rows.len());
-            for row in rows.chunks_exact(width) {
-                normed.extend(self.forward_row(row)?);
-            }
+            let normed = match f32_values(x) {
+                Some(rows) => self.forward_rows(rows)?,
+                None => self.forward_rows(&Vec::<f32>::try_from(&x.f_reshape([-1])?)?)?,
+            };
             return Ok(Tensor::f_from_slice(&normed)?.f_view(x.size().as_slice())?);
         }
         // variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
@@ -60,24 +59,25 @@ impl RmsNorm {
         Ok(self.weight.f_mul(&normed)?)
     }
 
-    /// One row normed: `weight · x / sqrt(mean(x²) + eps)`, the mean of squares summed in f64
-    /// (libtorch sums in f32 over several lanes; both are within an f32 rounding of the exact
-    /// mean), every other step in f32 as libtorch rounds it.
-    fn forward_row(&self, x: &[f32]) -> Result<Vec<f32>> {
-        let values = match self.values.get() {
+    /// Rows of the weight's width normed: `weight · x / sqrt(mean(x²) + eps)` each, the mean
+    /// of squares summed in f64 (libtorch sums in f32 over several lanes; both are within an
+    /// f32 rounding of the exact mean), every other step in f32 as libtorch rounds it.
+    fn forward_rows(&self, rows: &[f32]) -> Result<Vec<f32>> {
+        let weight = match self.values.get() {
             Some(values) => values,
             None => {
                 let values = Vec::<f32>::try_from(&self.weight.f_reshape([-1])?)?;
                 self.values.get_or_init(|| values)
             }
         };
-        let squares: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
-        let variance = (squares / x.len() as f64) as f32;
-        let scale = 1.0 / (variance + self.eps as f32).sqrt();
-        Ok(x.iter()
-            .zip(values)
-            .map(|(&v, &w)| w * (v * scale))
-            .collect())
+        let mut normed = Vec::with_capacity(rows.len());
+        for row in rows.chunks_exact(weight.len()) {
+            let squares: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
+            let variance = (squares / row.len() as f64) as f32;
+            let scale = 1.0 / (variance + self.eps as f32).sqrt();
+            normed.extend(row.iter().zip(weight).map(|(&v, &w)| w * (v * scale)));
+        }
+        Ok(normed)
     }
 }
 
@@ -207,6 +207,16 @@ pub fn linear_bias(x: &Tensor, weight: &Weight<'_>, bias: Option<&Tensor>) -> Re
         }
         _ => unreachable!("every non-tensor weight has a stored matrix"),
     }
+}
+
+/// The values of a contiguous f32 CPU tensor, borrowed (`None` for any other tensor).
+pub fn f32_values(t: &Tensor) -> Option<&[f32]> {
+    if t.device() != Device::Cpu || t.kind() != Kind::Float || !t.is_contiguous() {
+        return None;
+    }
+    // SAFETY: a contiguous f32 CPU tensor of `numel` values, borrowed for as long as `t`; the
+    // engine does not write a tensor while it is borrowed.
+    Some(unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) })
 }
 
 /// A contiguous 2-D f32 CPU tensor seen as an f32 [`MatrixRef`] (borrowing its memory).
