@@ -146,8 +146,12 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// How far ahead of the block being computed a row's bytes are prefetched (rows are contiguous,
-/// so this reaches into the next rows; measured: +70% on an LM head streamed from memory).
+/// How far ahead of the block being computed an INT4/INT2 row's bytes are prefetched (rows are
+/// contiguous, so this reaches into the next rows; measured: +70% on an LM head streamed from
+/// memory). Rows of one byte or more per value (INT8, f16, bf16, f32) are not prefetched: in
+/// the engine's decode step on Zen 4 (`benches/llama_cpp_ab.sh`, BENCHMARKS.md §9.13) dropping
+/// it made INT8 decode ~18% faster on one thread and f16 ~7%, while INT4 rows without it ran
+/// 1.3× slower (AVX2 set) to 2× slower (the AVX-512 four-row kernel).
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
@@ -304,11 +308,11 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
         );
         let quads = full / 4 * 4;
         for b in (0..quads).step_by(4) {
-            // The next rows of a large matrix are far from the caches: ask for them early.
-            let ahead = (b + 4) * block_bytes + PREFETCH_AHEAD;
-            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead).cast());
-            if block_bytes == 32 {
-                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + 64).cast());
+            // The next rows of a large INT4/INT2 matrix are far from the caches: ask for them
+            // early (INT8 rows go faster without, see `PREFETCH_AHEAD`).
+            if BITS < 8 {
+                let ahead = (b + 4) * block_bytes + PREFETCH_AHEAD;
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead).cast());
             }
             let (p, s) = quant_block::<BITS, SUM>(w, x, b);
             a0 = _mm256_fmadd_ps(p, s, a0);
@@ -332,14 +336,13 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
     }
 }
 
-/// 16-bit float rows: 32 values per step in four accumulators, the rest scalar.
+/// 16-bit float rows: 32 values per step in four accumulators, the rest scalar. No software
+/// prefetch (see [`PREFETCH_AHEAD`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m128i) -> __m256) -> f32 {
     let steps = x.len() / 32;
     let mut acc = [_mm256_setzero_ps(); 4];
     for s in 0..steps {
-        let ahead = row.as_ptr().wrapping_add(s * 64 + PREFETCH_AHEAD);
-        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
         let w = &row[s * 64..s * 64 + 64];
         let xs = &x[s * 32..s * 32 + 32];
         for (j, a) in acc.iter_mut().enumerate() {
