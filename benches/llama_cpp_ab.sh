@@ -8,17 +8,20 @@
 #   e.g. benches/llama_cpp_ab.sh target/llama-bench/olmoe-2l-F16.gguf \
 #          target/llama-bench/bundle-ef16-rf16 2 6 /tmp/edgemoe-before target/release/edgemoe
 #   (after benches/llama_cpp.sh has built llama-bench and the files under target/llama-bench)
+# DEPTH=N (env) decodes after N tokens of context instead: llama-bench `-d N`, the engine a
+# prompt of N ids (its decode_ms_per_token leaves the prompt's prefill out, as tg does).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ $# -ge 5 ] || { sed -n 2,10p "$0"; exit 2; }
 gguf="$1" bundle="$2" threads="$3" rounds="$4"
 shift 4
 llama="$root/target/llama.cpp/build/bin/llama-bench"
-ids="$("$root/.venv/bin/python" "$root/benches/llama_cpp_table.py" ids 8 1)"
+depth="${DEPTH:-0}"
+ids="$("$root/.venv/bin/python" "$root/benches/llama_cpp_table.py" ids "$([ "$depth" -gt 0 ] && echo "$depth" || echo 8)" 1)"
 stats="$(mktemp)"
 trap 'rm -f "$stats"' EXIT
 for r in $(seq 1 "$rounds"); do
-  l="$("$llama" -m "$gguf" -p 0 -n 32 -t "$threads" -r 1 -o json 2>/dev/null \
+  l="$("$llama" -m "$gguf" -p 0 -n 32 -d "$depth" -t "$threads" -r 1 -o json 2>/dev/null \
     | python3 -c "import json,sys; print(round(1000 / json.load(sys.stdin)[0]['avg_ts'], 2))")"
   line="round $r: llama.cpp $l"
   for bin in "$@"; do

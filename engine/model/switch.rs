@@ -108,19 +108,21 @@ pub struct DecoderState {
     self_kv: Vec<Option<(Tensor, Tensor)>>,
     /// Per block: cross-attention keys and values over the encoder output `[b, h, src, dk]`.
     cross_kv: Vec<(Tensor, Tensor)>,
-    /// One sequence on the CPU (greedy decoding, the default): the self-attention cache as
-    /// plain values instead, for [`SwitchModel::decode_step`]'s loops (`self_kv` stays empty).
+    /// One sequence on the CPU (greedy decoding, the default): both attention caches as plain
+    /// values instead, for [`SwitchModel::decode_step`]'s loops (`self_kv` and `cross_kv` stay
+    /// empty).
     one: Option<OneSequence>,
     /// Tokens already decoded (the position of the next one).
     len: i64,
 }
 
-/// A single sequence's self-attention keys and values, token-major (`[len, h × dk]`), per
-/// block. Cross-attention keeps its tensors: over a few hundred source tokens libtorch's
-/// batched GEMV is faster than [`super::layers::CachedKv::attend`]'s loops (measured: 1.7–2.5 ms per
-/// switch-base-8 step, BENCHMARKS.md §9.8).
+/// A single sequence's attention keys and values, token-major (`[len, h × dk]`), per block, for
+/// [`super::layers::CachedKv::attend`]'s loops.
 struct OneSequence {
+    /// Self-attention: a decode step appends its token's.
     self_kv: Vec<(Vec<f32>, Vec<f32>)>,
+    /// Cross-attention over the encoder output, `[src, h × dk]` each, made once.
+    cross_kv: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 impl SwitchModel {
@@ -393,21 +395,38 @@ impl SwitchModel {
         let blocks = self.decoder.blocks.len();
         // HF expands the encoder output to every beam (`repeat_interleave`) before decoding.
         let expanded = encoder_out.f_repeat([beams as i64, 1, 1])?;
-        let mut cross_kv = Vec::new();
-        for block in &self.decoder.blocks {
-            let (attn, _) = block
+        let cross_attention = self.decoder.blocks.iter().map(|block| {
+            &block
                 .cross_attention
                 .as_ref()
-                .expect("decoder blocks have cross-attention");
-            cross_kv.push((
-                attn.project(&expanded, &attn.k)?,
-                attn.project(&expanded, &attn.v)?,
-            ));
-        }
-        // One sequence on the CPU: the self-attention cache as plain values.
-        let one = (beams == 1 && encoder_out.device() == Device::Cpu).then(|| OneSequence {
-            self_kv: vec![(Vec::new(), Vec::new()); blocks],
+                .expect("decoder blocks have cross-attention")
+                .0
         });
+        let mut cross_kv = Vec::new();
+        // One sequence on the CPU: the attention caches as plain values, token-major (the
+        // projections' own layout), instead of tensors.
+        let one = if beams == 1 && encoder_out.device() == Device::Cpu {
+            let token_major = |w: &Linear| -> Result<Vec<f32>> {
+                Ok(Vec::<f32>::try_from(
+                    &linear(&expanded, w)?.f_reshape([-1])?,
+                )?)
+            };
+            let cross_kv = cross_attention
+                .map(|attn| Ok((token_major(&attn.k)?, token_major(&attn.v)?)))
+                .collect::<Result<Vec<_>>>()?;
+            Some(OneSequence {
+                self_kv: vec![(Vec::new(), Vec::new()); blocks],
+                cross_kv,
+            })
+        } else {
+            for attn in cross_attention {
+                cross_kv.push((
+                    attn.project(&expanded, &attn.k)?,
+                    attn.project(&expanded, &attn.v)?,
+                ));
+            }
+            None
+        };
         Ok(DecoderState {
             self_kv: (0..blocks).map(|_| None).collect(),
             cross_kv,
@@ -480,9 +499,18 @@ impl SwitchModel {
                 .cross_attention
                 .as_ref()
                 .expect("decoder blocks have cross-attention");
-            let (ck, cv) = &state.cross_kv[index];
             let normed = cross_norm.forward(&h)?;
-            h = h.f_add(&cross.attend(&normed, ck, cv, None)?)?;
+            let crossed = match &state.one {
+                Some(one) => {
+                    let (keys, values) = &one.cross_kv[index];
+                    cross.attend_cached(&normed, keys, values, None)?
+                }
+                None => {
+                    let (keys, values) = &state.cross_kv[index];
+                    cross.attend(&normed, keys, values, None)?
+                }
+            };
+            h = h.f_add(&crossed)?;
 
             h = self.feed_forward(&self.decoder, index, &h, provider, routes)?;
         }
