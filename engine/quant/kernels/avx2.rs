@@ -150,8 +150,8 @@ fn hsum(v: __m256) -> f32 {
 /// contiguous, so this reaches into the next rows; measured: +70% on an LM head streamed from
 /// memory). Rows of one byte or more per value (INT8, f16, bf16, f32) are not prefetched: in
 /// the engine's decode step on Zen 4 (`benches/llama_cpp_ab.sh`, BENCHMARKS.md §9.13) dropping
-/// it made INT8 decode ~18% faster on one thread and f16 ~7%, while INT4 rows without it ran
-/// 1.3× slower (AVX2 set) to 2× slower (the AVX-512 four-row kernel).
+/// it made INT8 decode 15–18% faster on one thread and f16 ~10%, while INT4 rows without it
+/// ran up to 1.3× slower (AVX2 set) and 2× slower (the AVX-512 four-row kernel).
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
