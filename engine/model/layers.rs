@@ -429,27 +429,71 @@ impl Attention {
         linear(&out, &self.o)
     }
 
-    /// [`Self::attend`] for one query `x` `[1, 1, d_model]` over keys and values cached
-    /// token-major (`[k, heads × d_kv]`), with `bias` `[heads, k]` where given: the decode step
-    /// of a single sequence, in plain loops ([`CachedKv::attend`]).
+    /// [`Self::attend`] for one query per sequence, `x` `[b, 1, d_model]`, over each sequence's
+    /// keys and values cached token-major (`caches[i]`: `[k, heads × d_kv]` each, for row `i`),
+    /// with `bias` `[heads, k]` where given: the decode step, in plain loops
+    /// ([`CachedKv::attend`]). The projections take all `b` rows at once, so each weight is read
+    /// once.
     pub fn attend_cached(
+        &self,
+        x: &Tensor,
+        caches: &[(&[f32], &[f32])],
+        bias: Option<&[f32]>,
+    ) -> Result<Tensor> {
+        self.attend_queries(x, caches.len(), |queries, inner| {
+            let mut out = Vec::with_capacity(queries.len());
+            for (query, &(keys, values)) in queries.chunks_exact(inner).zip(caches) {
+                // attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling   (scaling = 1.0)
+                out.extend(self.cached(keys, values).attend(query, 0, 1.0, bias));
+            }
+            out
+        })
+    }
+
+    /// [`Self::attend_cached`] for `b` sequences that share one cache (beams over one document's
+    /// encoder output): one walk of the cache for every query ([`CachedKv::attend_each`]).
+    pub fn attend_cached_shared(
         &self,
         x: &Tensor,
         keys: &[f32],
         values: &[f32],
         bias: Option<&[f32]>,
     ) -> Result<Tensor> {
-        let query = Vec::<f32>::try_from(&linear(x, &self.q)?.f_reshape([-1])?)?;
-        let cached = CachedKv {
+        let count = x.size()[0] as usize;
+        self.attend_queries(x, count, |queries, _| {
+            self.cached(keys, values)
+                .attend_each(queries, count, 0, 1.0, bias)
+        })
+    }
+
+    fn cached<'a>(&self, keys: &'a [f32], values: &'a [f32]) -> CachedKv<'a> {
+        CachedKv {
             keys,
             values,
             kv_heads: self.num_heads as usize,
             head_dim: self.d_kv as usize,
-        };
-        // attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling   (scaling = 1.0)
-        let out = cached.attend(&query, 0, 1.0, bias);
+        }
+    }
+
+    /// `o(attend(q(x)))` for `count` query rows `x` `[count, 1, d_model]`, `attend` taking the
+    /// projected queries (`count × inner` values) and the inner width.
+    fn attend_queries(
+        &self,
+        x: &Tensor,
+        count: usize,
+        attend: impl FnOnce(&[f32], usize) -> Vec<f32>,
+    ) -> Result<Tensor> {
+        let inner = (self.num_heads * self.d_kv) as usize;
+        let queries = Vec::<f32>::try_from(&linear(x, &self.q)?.f_reshape([-1])?)?;
+        if queries.len() != count * inner {
+            return Err(Error::Internal(format!(
+                "{} query values for {count} cached sequences of width {inner}",
+                queries.len()
+            )));
+        }
+        let out = attend(&queries, inner);
         linear(
-            &Tensor::f_from_slice(&out)?.f_view([1, 1, self.num_heads * self.d_kv])?,
+            &Tensor::f_from_slice(&out)?.f_view([count as i64, 1, inner as i64])?,
             &self.o,
         )
     }
@@ -509,24 +553,46 @@ impl CachedKv<'_> {
     /// bits either way. On x86_64 the loops are compiled for AVX2 where the CPU has it (plain
     /// multiplies and adds, no FMA: the same roundings as the baseline SSE2 build).
     pub fn attend(&self, q: &[f32], first: usize, scaling: f32, bias: Option<&[f32]>) -> Vec<f32> {
+        self.attend_each(q, 1, first, scaling, bias)
+    }
+
+    /// [`Self::attend`] for `count` queries over the same cache (`queries`: `count × heads ×
+    /// head_dim`, one after another; beams reading one document): one walk of the cache for
+    /// all of them, each query's result the same bits as its own [`Self::attend`].
+    pub fn attend_each(
+        &self,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { self.attend_avx2(q, first, scaling, bias) };
+            return unsafe { self.attend_avx2(queries, count, first, scaling, bias) };
         }
-        self.attend_loops(q, first, scaling, bias)
+        self.attend_loops(queries, count, first, scaling, bias)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn attend_avx2(&self, q: &[f32], first: usize, scaling: f32, bias: Option<&[f32]>) -> Vec<f32> {
-        self.attend_loops(q, first, scaling, bias)
+    fn attend_avx2(
+        &self,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
+        self.attend_loops(queries, count, first, scaling, bias)
     }
 
     #[inline(always)]
     fn attend_loops(
         &self,
-        q: &[f32],
+        queries: &[f32],
+        count: usize,
         first: usize,
         scaling: f32,
         bias: Option<&[f32]>,
@@ -534,20 +600,28 @@ impl CachedKv<'_> {
         let hd = self.head_dim;
         let width = self.kv_heads * hd;
         let total = self.keys.len() / width.max(1);
-        let heads = q.len() / hd.max(1);
+        let heads = queries.len() / count.max(1) / hd.max(1);
         let rep = heads / self.kv_heads.max(1);
         let kv_offset = |h: usize| h / rep * hd;
-        // weights[h × total + t]: the scaled scores, then the softmax's probabilities.
-        let mut weights = vec![0f32; heads * total];
+        // weights[(query × heads + h) × total + t]: the scaled scores, then the softmax's
+        // probabilities. Query `i`'s head `h` is row `i × heads + h` of `queries` and of the
+        // output, `[count × heads, hd]`.
+        let rows = count * heads;
+        let mut weights = vec![0f32; rows * total];
         for t in first..total {
             let keys = &self.keys[t * width..(t + 1) * width];
-            for h in 0..heads {
-                let key = &keys[kv_offset(h)..kv_offset(h) + hd];
-                let mut w = dot(&q[h * hd..(h + 1) * hd], key) * scaling;
-                if let Some(bias) = bias {
-                    w += bias[h * total + t];
+            for (query, query_weights) in queries
+                .chunks_exact(heads * hd)
+                .zip(weights.chunks_exact_mut(heads * total))
+            {
+                for h in 0..heads {
+                    let key = &keys[kv_offset(h)..kv_offset(h) + hd];
+                    let mut w = dot(&query[h * hd..(h + 1) * hd], key) * scaling;
+                    if let Some(bias) = bias {
+                        w += bias[h * total + t];
+                    }
+                    query_weights[h * total + t] = w;
                 }
-                weights[h * total + t] = w;
             }
         }
         for head in weights.chunks_exact_mut(total.max(1)) {
@@ -560,14 +634,19 @@ impl CachedKv<'_> {
             }
             head.iter_mut().for_each(|w| *w /= sum);
         }
-        let mut out = vec![0f32; heads * hd];
+        let mut out = vec![0f32; rows * hd];
         for t in first..total {
             let values = &self.values[t * width..(t + 1) * width];
-            for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-                let p = weights[h * total + t];
-                let value = &values[kv_offset(h)..kv_offset(h) + hd];
-                for (o, v) in out.iter_mut().zip(value) {
-                    *o += p * v;
+            for (query_out, query_weights) in out
+                .chunks_exact_mut(heads * hd)
+                .zip(weights.chunks_exact(heads * total))
+            {
+                for (h, out) in query_out.chunks_exact_mut(hd).enumerate() {
+                    let p = query_weights[h * total + t];
+                    let value = &values[kv_offset(h)..kv_offset(h) + hd];
+                    for (o, v) in out.iter_mut().zip(value) {
+                        *o += p * v;
+                    }
                 }
             }
         }
@@ -675,10 +754,31 @@ mod tests {
                 "{case}"
             );
             assert_eq!(
-                bits(&kv.attend_loops(&q, first, scaling, bias)),
+                bits(&kv.attend_loops(&q, 1, first, scaling, bias)),
                 bits(&want),
                 "{case}"
             );
+            // Three queries in one walk (beams over a shared cache): each query's own bits.
+            let others: Vec<f32> = (0..2 * heads * hd).map(|_| uniform()).collect();
+            let queries = [&others[..heads * hd], &q, &others[heads * hd..]].concat();
+            let each: Vec<f32> = queries
+                .chunks_exact(heads * hd)
+                .flat_map(|query| attend_head_by_head(&kv, query, first, scaling, bias))
+                .collect();
+            if total - first > 1 {
+                // (Over one token every query's attention is that token's values.)
+                assert_ne!(
+                    bits(&each[..heads * hd]),
+                    bits(&want),
+                    "{case}: queries differ"
+                );
+            }
+            for attended in [
+                kv.attend_each(&queries, 3, first, scaling, bias),
+                kv.attend_loops(&queries, 3, first, scaling, bias),
+            ] {
+                assert_eq!(bits(&attended), bits(&each), "{case}, three queries");
+            }
             // The same attention in f64.
             let rep = heads / kv_heads;
             for h in 0..heads {

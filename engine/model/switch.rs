@@ -108,20 +108,21 @@ pub struct DecoderState {
     self_kv: Vec<Option<(Tensor, Tensor)>>,
     /// Per block: cross-attention keys and values over the encoder output `[b, h, src, dk]`.
     cross_kv: Vec<(Tensor, Tensor)>,
-    /// One sequence on the CPU (greedy decoding, the default): both attention caches as plain
-    /// values instead, for [`SwitchModel::decode_step`]'s loops (`self_kv` and `cross_kv` stay
-    /// empty).
-    one: Option<OneSequence>,
+    /// On the CPU: both attention caches as plain values instead, for
+    /// [`SwitchModel::decode_step`]'s loops (`self_kv` and `cross_kv` stay empty).
+    loops: Option<LoopCaches>,
     /// Tokens already decoded (the position of the next one).
     len: i64,
 }
 
-/// A single sequence's attention keys and values, token-major (`[len, h × dk]`), per block, for
-/// [`super::layers::CachedKv::attend`]'s loops.
-struct OneSequence {
-    /// Self-attention: a decode step appends its token's.
-    self_kv: Vec<(Vec<f32>, Vec<f32>)>,
-    /// Cross-attention over the encoder output, `[src, h × dk]` each, made once.
+/// The running sequences' attention keys and values, token-major (`[len, h × dk]`), per block,
+/// for [`super::layers::CachedKv::attend`]'s loops.
+struct LoopCaches {
+    /// Self-attention, per sequence (beam), per block: a decode step appends its token's.
+    self_kv: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// Cross-attention over the encoder output, `[src, h × dk]` each, made once and read by
+    /// every sequence: beams decode the same document. (HF repeats the encoder output per beam
+    /// and reorders that copy with the beams; every copy holds the same values.)
     cross_kv: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
@@ -393,8 +394,6 @@ impl SwitchModel {
     pub fn start_decoder(&self, encoder_out: &Tensor, beams: usize) -> Result<DecoderState> {
         let _guard = tch::no_grad_guard();
         let blocks = self.decoder.blocks.len();
-        // HF expands the encoder output to every beam (`repeat_interleave`) before decoding.
-        let expanded = encoder_out.f_repeat([beams as i64, 1, 1])?;
         let cross_attention = self.decoder.blocks.iter().map(|block| {
             &block
                 .cross_attention
@@ -403,22 +402,24 @@ impl SwitchModel {
                 .0
         });
         let mut cross_kv = Vec::new();
-        // One sequence on the CPU: the attention caches as plain values, token-major (the
-        // projections' own layout), instead of tensors.
-        let one = if beams == 1 && encoder_out.device() == Device::Cpu {
+        // On the CPU: the attention caches as plain values, token-major (the projections' own
+        // layout), instead of tensors; one cross-attention cache for every beam.
+        let loops = if encoder_out.device() == Device::Cpu {
             let token_major = |w: &Linear| -> Result<Vec<f32>> {
                 Ok(Vec::<f32>::try_from(
-                    &linear(&expanded, w)?.f_reshape([-1])?,
+                    &linear(encoder_out, w)?.f_reshape([-1])?,
                 )?)
             };
             let cross_kv = cross_attention
                 .map(|attn| Ok((token_major(&attn.k)?, token_major(&attn.v)?)))
                 .collect::<Result<Vec<_>>>()?;
-            Some(OneSequence {
-                self_kv: vec![(Vec::new(), Vec::new()); blocks],
+            Some(LoopCaches {
+                self_kv: vec![vec![(Vec::new(), Vec::new()); blocks]; beams],
                 cross_kv,
             })
         } else {
+            // HF expands the encoder output to every beam (`repeat_interleave`) before decoding.
+            let expanded = encoder_out.f_repeat([beams as i64, 1, 1])?;
             for attn in cross_attention {
                 cross_kv.push((
                     attn.project(&expanded, &attn.k)?,
@@ -430,7 +431,7 @@ impl SwitchModel {
         Ok(DecoderState {
             self_kv: (0..blocks).map(|_| None).collect(),
             cross_kv,
-            one,
+            loops,
             len: 0,
         })
     }
@@ -455,11 +456,12 @@ impl SwitchModel {
             self.spec.relative_attention_num_buckets as i64,
             self.spec.relative_attention_max_distance as i64,
         )?; // [1, h, 1, len + 1]
-            // One sequence on the CPU: the bias as plain values `[h, len + 1]` for the loops.
-        let bias_values = match &state.one {
-            Some(_) if b != 1 => {
+            // The loops' bias: plain values `[h, len + 1]`, the same for every sequence.
+        let bias_values = match &state.loops {
+            Some(loops) if loops.self_kv.len() != tokens.len() => {
                 return Err(Error::Internal(format!(
-                    "a decoder started for one sequence was fed {b}"
+                    "a decoder started for {} sequences was fed {b}",
+                    loops.self_kv.len()
                 )))
             }
             Some(_) => Some(Vec::<f32>::try_from(&bias.f_reshape([-1])?)?),
@@ -468,15 +470,30 @@ impl SwitchModel {
         for (index, block) in self.decoder.blocks.iter().enumerate() {
             let attn = &block.self_attention;
             let normed = block.self_attention_norm.forward(&h)?;
-            let attended = match (&mut state.one, &bias_values) {
-                (Some(one), Some(bias_values)) => {
-                    let (keys, values) = &mut one.self_kv[index];
-                    let token = |w: &Linear| -> Result<Vec<f32>> {
+            let attended = match (&mut state.loops, &bias_values) {
+                (Some(loops), Some(bias_values)) => {
+                    // Every sequence's new key and value rows, `[b × h·dk]` each.
+                    let rows = |w: &Linear| -> Result<Vec<f32>> {
                         Ok(Vec::<f32>::try_from(&linear(&normed, w)?.f_reshape([-1])?)?)
                     };
-                    keys.extend(token(&attn.k)?);
-                    values.extend(token(&attn.v)?);
-                    attn.attend_cached(&normed, keys, values, Some(bias_values))?
+                    let (new_keys, new_values) = (rows(&attn.k)?, rows(&attn.v)?);
+                    let width = new_keys.len() / loops.self_kv.len();
+                    for ((sequence, key), value) in loops
+                        .self_kv
+                        .iter_mut()
+                        .zip(new_keys.chunks_exact(width))
+                        .zip(new_values.chunks_exact(width))
+                    {
+                        let (keys, values) = &mut sequence[index];
+                        keys.extend_from_slice(key);
+                        values.extend_from_slice(value);
+                    }
+                    let caches: Vec<(&[f32], &[f32])> = loops
+                        .self_kv
+                        .iter()
+                        .map(|sequence| (&sequence[index].0[..], &sequence[index].1[..]))
+                        .collect();
+                    attn.attend_cached(&normed, &caches, Some(bias_values))?
                 }
                 _ => {
                     let new_k = attn.project(&normed, &attn.k)?; // [b, h, 1, dk]
@@ -500,10 +517,10 @@ impl SwitchModel {
                 .as_ref()
                 .expect("decoder blocks have cross-attention");
             let normed = cross_norm.forward(&h)?;
-            let crossed = match &state.one {
-                Some(one) => {
-                    let (keys, values) = &one.cross_kv[index];
-                    cross.attend_cached(&normed, keys, values, None)?
+            let crossed = match &state.loops {
+                Some(loops) => {
+                    let (keys, values) = &loops.cross_kv[index];
+                    cross.attend_cached_shared(&normed, keys, values, None)?
                 }
                 None => {
                     let (keys, values) = &state.cross_kv[index];
@@ -535,14 +552,48 @@ impl SwitchModel {
 
     /// Keeps the caches of sequences `beam_idx` (`[b]`, indices into the current batch).
     pub fn reorder(&self, state: &mut DecoderState, beam_idx: &[i64]) -> Result<()> {
-        if state.one.is_some() {
-            // One sequence: the only order is itself.
-            return match beam_idx {
-                [0] => Ok(()),
-                _ => Err(Error::Internal(format!(
-                    "a decoder started for one sequence reordered as {beam_idx:?}"
-                ))),
-            };
+        if let Some(loops) = &mut state.loops {
+            let count = loops.self_kv.len();
+            if beam_idx.len() != count || beam_idx.iter().any(|&i| !(0..count as i64).contains(&i))
+            {
+                return Err(Error::Internal(format!(
+                    "{count} sequences reordered as {beam_idx:?}"
+                )));
+            }
+            // Each kept sequence's caches move to their new place (at its last use). A sequence
+            // kept twice is copied into the buffers of one that was dropped: there are as many
+            // of those as copies, and reusing them spares fresh pages every step.
+            let mut uses = vec![0usize; count];
+            beam_idx.iter().for_each(|&i| uses[i as usize] += 1);
+            let mut old: Vec<Option<_>> = std::mem::take(&mut loops.self_kv)
+                .into_iter()
+                .map(Some)
+                .collect();
+            let mut spare: Vec<Vec<(Vec<f32>, Vec<f32>)>> = (0..count)
+                .filter(|&i| uses[i] == 0)
+                .filter_map(|i| old[i].take())
+                .collect();
+            for &i in beam_idx {
+                let i = i as usize;
+                uses[i] -= 1;
+                let caches = if uses[i] == 0 {
+                    old[i]
+                        .take()
+                        .expect("a sequence is taken at its last use only")
+                } else {
+                    let source = old[i].as_ref().expect("kept until its last use");
+                    let mut copy = spare.pop().expect("one dropped sequence per copy");
+                    for ((keys, values), (from_keys, from_values)) in copy.iter_mut().zip(source) {
+                        keys.clear();
+                        keys.extend_from_slice(from_keys);
+                        values.clear();
+                        values.extend_from_slice(from_values);
+                    }
+                    copy
+                };
+                loops.self_kv.push(caches);
+            }
+            return Ok(());
         }
         let idx = Tensor::f_from_slice(beam_idx)?.f_to_device(self.device())?;
         for kv in state.self_kv.iter_mut().flatten() {
