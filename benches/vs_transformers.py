@@ -23,6 +23,13 @@ to --source-tokens tokens, 353 by default, with its </s>), the same greedy decod
                 transformers' greedy ids (a weak check: the random checkpoint's greedy output is
                 id 0 repeated; its cost per step is what matters here).
 
+With --beams N (N > 1) both sides run beam search instead (N beams, length penalty 1, early
+stopping off: the checkpoint's generation config, as the engine's bundle has it; no n-gram ban;
+up to --new-tokens tokens): transformers' `generate(encoder_outputs=..., num_beams=N)`
+timed as a whole, its mean step being that time over the steps it ran (no median: generate's
+steps are not timed one by one), against the engine's `--beams N` mean step
+(`decode_ms_per_token`); the table's p50 column then repeats the mean for transformers.
+
 --rounds rounds (3) interleave the two sides (transformers, then each pair), so that load from
 other work on the machine hits both alike; the table gives the median over the rounds (encoder:
 median of 3 runs; decode: median of the rounds' median steps) and the best round. Speedups are
@@ -95,9 +102,21 @@ class Transformers:
             encoder_outputs = self.model.get_encoder()(input_ids=self.x, attention_mask=self.mask)
             return encoder_outputs, (time.perf_counter() - t) * 1e3
 
-    def round(self, new_tokens):
-        """One encoder run and `new_tokens` greedy steps with the KV cache, each timed."""
+    def round(self, new_tokens, beams=1):
+        """One encoder run and `new_tokens` greedy steps with the KV cache, each timed; or, with
+        `beams` > 1, one beam search timed as a whole."""
         encoder_outputs, encode_ms = self.encode()
+        if beams > 1:
+            with torch.no_grad():
+                t = time.perf_counter()
+                out = self.model.generate(encoder_outputs=encoder_outputs, attention_mask=self.mask,
+                                          num_beams=beams, max_new_tokens=new_tokens, do_sample=False,
+                                          length_penalty=1.0, no_repeat_ngram_size=0, early_stopping=False)
+                total_ms = (time.perf_counter() - t) * 1e3
+            tokens = out[0, 1:].tolist()  # after the decoder start token
+            mean = total_ms / max(len(tokens), 1)
+            return {"encode_ms": encode_ms, "p50_ms": mean, "decode_ms_per_token": mean,
+                    "step_ms": [mean], "tokens": tokens}
         token, past, steps, tokens = self.model.generation_config.decoder_start_token_id, None, [], []
         with torch.no_grad():
             for _ in range(new_tokens):
@@ -120,8 +139,9 @@ def accepts_resident(binary):
 class Engine:
     """One bits:resident pair: its bundle (converted once, cached) and one summarize run per round."""
 
-    def __init__(self, binary, ckpt, out, pair, resident_ok, doc_path, source_tokens, new_tokens, reconvert):
-        self.binary, self.out, self.doc_path = binary, out, doc_path
+    def __init__(self, binary, ckpt, out, pair, resident_ok, doc_path, source_tokens, new_tokens, reconvert,
+                 beams=1):
+        self.binary, self.out, self.doc_path, self.beams = binary, out, doc_path, beams
         self.source_tokens, self.new_tokens = source_tokens, new_tokens
         self.bits, resident = pair
         self.resident = None
@@ -153,7 +173,7 @@ class Engine:
         stats_path = os.path.join(self.out, f"stats-{self.name}-{i}.json")
         cmd = [self.binary, "summarize", "--model", self.bundle, "--input", self.doc_path, "--mode", "io-free",
                "--threads", "1", "--max-new-tokens", str(self.new_tokens),
-               "--max-source-tokens", str(self.source_tokens), "--beams", "1", "--no-repeat-ngram-size", "0",
+               "--max-source-tokens", str(self.source_tokens), "--beams", str(self.beams), "--no-repeat-ngram-size", "0",
                "--ids", "-q", "--stats-json", stats_path]
         if i == 0:
             log("$ " + " ".join(cmd))
@@ -195,6 +215,8 @@ def main():
     parser.add_argument("--pairs", default="f32:f32,f16:f16,8:int8", help="expert bits:resident dtype, ...")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds, each one transformers encoder run + greedy decode and one engine run per pair")
+    parser.add_argument("--beams", type=int, default=1,
+                        help="beam search with this many beams on both sides instead of greedy decoding")
     parser.add_argument("--reconvert", action="store_true", help="convert the bundles again (after a format change)")
     args = parser.parse_args()
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",") if p]
@@ -221,13 +243,13 @@ def main():
         log("note: this edgemoe convert has no --resident yet: bundles keep their resident weights at "
             "the checkpoint's width (f32); only the experts' width differs between pairs")
     engines = [Engine(args.bin, ckpt, args.out, pair, resident_ok, doc_path, args.source_tokens, args.new_tokens,
-                      args.reconvert)
+                      args.reconvert, args.beams)
                for pair in pairs]
     tf_model = Transformers(ckpt, ids)
     tf_runs, engine_runs = [], [[] for _ in engines]
     # Rounds interleave the two sides, so that a change in the machine's load hits both alike.
     for i in range(args.rounds):
-        r = tf_model.round(args.new_tokens)
+        r = tf_model.round(args.new_tokens, args.beams)
         log(f"round {i} transformers: encode {r['encode_ms']:.0f} ms, decode p50 {r['p50_ms']:.1f} ms "
             f"(mean {r['decode_ms_per_token']:.1f}, first step {r['step_ms'][0]:.0f})")
         tf_runs.append(r)
@@ -251,11 +273,13 @@ def main():
     with open(results_path, "w") as f:
         json.dump({"load_average": [load_start, load_end], "checkpoint": ckpt,
                    "document": f"{args.split}/{args.doc_id}", "source_tokens": len(ids),
-                   "new_tokens": args.new_tokens, "threads": 1, "rounds": args.rounds, "resident_flag": resident_ok,
+                   "new_tokens": args.new_tokens, "beams": args.beams, "threads": 1, "rounds": args.rounds, "resident_flag": resident_ok,
                    "transformers": tf, "engine": engine}, f, indent=1)
 
     print(f"switch-base-8 shape (random weights), 1 thread, {len(ids)} source tokens "
-          f"(SAMSum {args.split}/{args.doc_id}), greedy {args.new_tokens} new tokens, io-free engine; "
+          f"(SAMSum {args.split}/{args.doc_id}), "
+          + (f"beam search ({args.beams} beams) up to {args.new_tokens}" if args.beams > 1 else
+             f"greedy {args.new_tokens}") + " new tokens, io-free engine; "
           f"torch {torch.__version__}, transformers {transformers.__version__}; "
           f"load average {load_start:.1f} at the start, {load_end:.1f} at the end on {os.cpu_count()} cores")
     rows = [("transformers eager f32", tf)] + [
@@ -277,7 +301,7 @@ def main():
                          f"{tf[k('decode_ms_per_token')] / r[k('decode_ms_per_token')]:>6.2f}")
             print(line)
     print("x = transformers / engine (higher: engine faster); p50 = median step, mean = mean step "
-          "(the engine's decode_ms_per_token); '= tf': leading tokens equal to transformers' greedy ids")
+          "(the engine's decode_ms_per_token); '= tf': leading tokens equal to transformers' ids")
     if any(r["resident"] is None for r in engine):
         print("* converted without --resident (" + ("this edgemoe convert has none" if not resident_ok else
               "refused for this width") + "): resident weights stay at the checkpoint's f32")

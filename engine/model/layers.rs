@@ -732,6 +732,8 @@ mod tests {
             (8, 2, 64, 300, 0, false),
             (4, 2, 24, 19, 5, true),
             (6, 6, 16, 1, 0, true),
+            (2, 1, 8, 40, 3, true),
+            (3, 3, 48, 33, 0, false),
         ] {
             let keys: Vec<f32> = (0..total * kv_heads * hd).map(|_| uniform()).collect();
             let values: Vec<f32> = (0..total * kv_heads * hd).map(|_| uniform()).collect();
