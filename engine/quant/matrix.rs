@@ -548,6 +548,22 @@ pub(crate) fn gemv(
     };
     let target: &mut [f32] = if n == 1 { out } else { &mut by_row };
     let task = |first_row: usize, dst: &mut [f32]| {
+        // Several activation rows on INT8 weights: all of them in one pass over each weight row,
+        // where the kernel set can (the same results as one by one).
+        if let (true, Some(dots), MatrixFormat::Quant(QuantBits::Int8)) =
+            (n > 1, k.dot_int8_rows, w.format)
+        {
+            let xs: Vec<QuantRow<'_>> = (0..n)
+                .map(|i| acts.quant_row(k, QuantBits::Int8, cols, i))
+                .collect::<Option<_>>()
+                .expect("integer activations");
+            for (i, y) in dst.chunks_exact_mut(n).enumerate() {
+                let r = first_row + i;
+                dots(w.row(r), cols, &xs, y);
+                y.iter_mut().for_each(|y| *y *= w.scales[r]);
+            }
+            return;
+        }
         // One activation row: four weight rows at a time where the kernel set can (the same
         // results as one by one), the rest one by one.
         let done = if n == 1 {
@@ -1072,7 +1088,8 @@ mod tests {
 
     /// A row's product does not depend on how many activation rows come with it (a beam of
     /// one or several): one activation row takes the four-row kernels where the set has them,
-    /// several take them row by row, and both give the same bits in every kernel set.
+    /// several take the several-row INT8 kernels (in groups, then one by one) or go row by row,
+    /// and all give the same bits in every kernel set.
     #[test]
     fn one_activation_row_gives_each_beams_bits() {
         let mut rng = Rng(12);
@@ -1083,18 +1100,34 @@ mod tests {
                 let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
                 let w =
                     MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales).unwrap();
-                let x: Vec<f32> = (0..cols).map(|_| rng.uniform() * 3.0).collect();
-                let twice: Vec<f32> = x.iter().chain(&x).copied().collect();
+                let beams: Vec<Vec<f32>> = (0..7)
+                    .map(|_| (0..cols).map(|_| rng.uniform() * 3.0).collect())
+                    .collect();
                 for k in kernels::available() {
-                    let (mut one, mut two) = (vec![0f32; rows], vec![0f32; 2 * rows]);
-                    gemv(&x, 1, w, &mut one, k).unwrap();
-                    gemv(&twice, 2, w, &mut two, k).unwrap();
-                    for (beam, got) in two.chunks_exact(rows).enumerate() {
-                        let same = got
-                            .iter()
-                            .zip(&one)
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(same, "{} {} cols={cols} beam {beam}", k.name, bits.name());
+                    let alone: Vec<Vec<f32>> = beams
+                        .iter()
+                        .map(|x| {
+                            let mut one = vec![0f32; rows];
+                            gemv(x, 1, w, &mut one, k).unwrap();
+                            one
+                        })
+                        .collect();
+                    assert_ne!(alone[0], alone[1], "the beams' products differ");
+                    for n in 2..=beams.len() {
+                        let x: Vec<f32> = beams[..n].concat();
+                        let mut together = vec![0f32; n * rows];
+                        gemv(&x, n, w, &mut together, k).unwrap();
+                        for (beam, (got, one)) in
+                            together.chunks_exact(rows).zip(&alone).enumerate()
+                        {
+                            let same = got.iter().zip(one).all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(
+                                same,
+                                "{} {} cols={cols} n={n} beam {beam}",
+                                k.name,
+                                bits.name()
+                            );
+                        }
                     }
                 }
             }

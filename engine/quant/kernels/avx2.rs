@@ -103,6 +103,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows(row, cols, xs, out) }),
 };
 
 /// Whether this CPU runs [`KERNELS_VNNI`] (AVX-VNNI on 256-bit registers: Alder Lake, Sapphire
@@ -122,6 +123,7 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows_vnni(row, cols, xs, out) }),
 };
 
 #[target_feature(enable = "avx2,fma")]
@@ -190,6 +192,136 @@ fn dot_quant_vnni(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) ->
 pub(crate) unsafe fn dot_int8_evex_vnni(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
     // SAFETY: the caller's CPU has every feature this function enables.
     unsafe { dot_quant_body::<8, EVEX_VNNI>(row, cols, x) }
+}
+
+/// [`Kernels::dot_int8_rows`] of [`KERNELS`] (two activation rows at a time: their eight
+/// accumulators fit AVX2's sixteen registers with the block's operands).
+#[target_feature(enable = "avx2,fma")]
+fn dot_int8_rows(row: &[u8], cols: usize, xs: &[QuantRow<'_>], out: &mut [f32]) {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { int8_rows_in_groups::<MADD, 2>(row, cols, xs, out) }
+}
+
+/// [`Kernels::dot_int8_rows`] of [`KERNELS_VNNI`].
+#[target_feature(enable = "avx2,fma,avxvnni")]
+fn dot_int8_rows_vnni(row: &[u8], cols: usize, xs: &[QuantRow<'_>], out: &mut [f32]) {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { int8_rows_in_groups::<AVX_VNNI, 2>(row, cols, xs, out) }
+}
+
+/// [`Kernels::dot_int8_rows`] with AVX-512 VNNI's 256-bit `vpdpbusd`, four activation rows at a
+/// time (sixteen accumulators: AVX-512 VL gives 32 registers).
+///
+/// # Safety
+/// The CPU has AVX2, FMA, AVX-512 VNNI and AVX-512 VL.
+#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+pub(crate) unsafe fn dot_int8_rows_evex_vnni(
+    row: &[u8],
+    cols: usize,
+    xs: &[QuantRow<'_>],
+    out: &mut [f32],
+) {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { int8_rows_in_groups::<EVEX_VNNI, 4>(row, cols, xs, out) }
+}
+
+/// `out[i]` = the INT8 dot of `row` with `xs[i]`, `GROUP` activation rows per pass over the
+/// row (then one at a time).
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2, FMA and the features `SUM` needs.
+#[inline(always)]
+unsafe fn int8_rows_in_groups<const SUM: u8, const GROUP: usize>(
+    row: &[u8],
+    cols: usize,
+    xs: &[QuantRow<'_>],
+    out: &mut [f32],
+) {
+    assert_eq!(xs.len(), out.len());
+    let mut groups = xs.chunks_exact(GROUP);
+    let mut outs = out.chunks_exact_mut(GROUP);
+    // SAFETY (both calls): see the function's contract.
+    for (xs, out) in groups.by_ref().zip(outs.by_ref()) {
+        let xs: [&QuantRow<'_>; GROUP] = std::array::from_fn(|i| &xs[i]);
+        out.copy_from_slice(&unsafe { int8_rows_body::<SUM, GROUP>(row, cols, xs) });
+    }
+    for (x, out) in groups.remainder().iter().zip(outs.into_remainder()) {
+        [*out] = unsafe { int8_rows_body::<SUM, 1>(row, cols, [x]) };
+    }
+}
+
+/// [`dot_quant_body`] of one INT8 row with `N` activation rows: each weight block is loaded and
+/// its magnitude taken once, then each activation row takes the very steps [`dot_quant_body`]
+/// takes (the same blocks into the same four accumulators, the same sums), so each result is
+/// the same bits as that row's own [`dot_quant_body`].
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2, FMA and the features `SUM` needs.
+#[inline(always)]
+unsafe fn int8_rows_body<const SUM: u8, const N: usize>(
+    row: &[u8],
+    cols: usize,
+    xs: [&QuantRow<'_>; N],
+) -> [f32; N] {
+    // SAFETY: the intrinsics need AVX2/FMA (and VNNI), which the callers enable (see above).
+    unsafe {
+        let full = cols / BLOCK;
+        assert!(row.len() >= full * BLOCK);
+        for x in xs {
+            assert!(x.codes.len() >= full * BLOCK && x.scales.len() >= full);
+        }
+        let w = row.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 4]; N];
+        let quads = full / 4 * 4;
+        // SAFETY (every block): `b < full`, inside the lengths asserted above.
+        for b in (0..quads).step_by(4) {
+            for lane in 0..4 {
+                int8_block_rows::<SUM, N>(w, &xs, b + lane, &mut acc, lane);
+            }
+        }
+        for b in quads..full {
+            int8_block_rows::<SUM, N>(w, &xs, b, &mut acc, 0);
+        }
+        let mut out = [0f32; N];
+        for ((out, acc), x) in out.iter_mut().zip(acc).zip(xs) {
+            let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            let mut sum = hsum(total) - x.offset;
+            if full * BLOCK < cols {
+                sum += x.scales[full]
+                    * reference::block_sum(row, QuantBits::Int8, cols, full, x.codes) as f32;
+            }
+            *out = sum;
+        }
+        out
+    }
+}
+
+/// Block `b` of an INT8 row into accumulator `lane` of each activation row's four, as
+/// [`quant_block`] and [`dot_quant_body`] compute it. (A function, not a closure: closures do not
+/// take on the target features of the function they are written in.)
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2, FMA and the features `SUM` needs; block `b`
+/// lies inside `w` and inside every `xs[i].codes` and `xs[i].scales`.
+#[inline(always)]
+unsafe fn int8_block_rows<const SUM: u8, const N: usize>(
+    w: *const u8,
+    xs: &[&QuantRow<'_>; N],
+    b: usize,
+    acc: &mut [[__m256; 4]; N],
+    lane: usize,
+) {
+    // SAFETY: see the function's contract.
+    unsafe {
+        let wv = _mm256_loadu_si256(w.add(b * 32).cast());
+        let magnitude = _mm256_sign_epi8(wv, wv);
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let xv = _mm256_loadu_si256(x.codes.as_ptr().add(b * BLOCK).cast());
+            let sums = unsigned_products::<SUM>(magnitude, _mm256_sign_epi8(xv, wv));
+            let scale = _mm256_broadcast_ss(&*x.scales.as_ptr().add(b));
+            acc[lane] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[lane]);
+        }
+    }
 }
 
 #[target_feature(enable = "avx2,fma")]

@@ -54,6 +54,10 @@ pub(crate) static KERNELS: Kernels = Kernels {
     },
     paired: true,
     dot_quant4: Some(dot_quant4),
+    // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
+    dot_int8_rows: Some(|row, cols, xs, out| unsafe {
+        avx2::dot_int8_rows_evex_vnni(row, cols, xs, out)
+    }),
 };
 
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {

@@ -141,6 +141,10 @@ pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &QuantRow<'_>) -> f32;
 /// [`DotQuant`] for four rows of one matrix at once (sharing the activations' loads), each
 /// result bit for bit the one [`DotQuant`] of the same set gives that row.
 pub(crate) type DotQuant4 = fn([&[u8]; 4], QuantBits, usize, &QuantRow<'_>) -> [f32; 4];
+/// [`DotQuant`] of one INT8 row with several activation rows (`out[i]` for `xs[i]`), each
+/// weight block loaded once for all of them; each result bit for bit the one [`DotQuant`] of
+/// the same set gives (beams, where the products are bound by arithmetic, not memory).
+pub(crate) type DotInt8Rows = fn(&[u8], usize, &[QuantRow<'_>], &mut [f32]);
 /// `Σ_i w[i] · x[i]` over a stored float row (16-bit, or f32 for [`Kernels::dot_f32`]).
 pub(crate) type DotFloat = fn(&[u8], &[f32]) -> f32;
 
@@ -161,6 +165,8 @@ pub(crate) struct Kernels {
     pub paired: bool,
     /// Four rows at once, where the set has such a kernel.
     pub dot_quant4: Option<DotQuant4>,
+    /// One INT8 row with several activation rows at once, where the set has such a kernel.
+    pub dot_int8_rows: Option<DotInt8Rows>,
 }
 
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -172,6 +178,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     quantize_activations: scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_int8_rows: None,
 };
 
 /// Every kernel set this CPU can run, the scalar reference first.

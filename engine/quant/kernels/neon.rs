@@ -115,6 +115,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_int8_rows: None,
 };
 
 pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
@@ -127,6 +128,7 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_int8_rows: None,
 };
 
 #[target_feature(enable = "neon")]
