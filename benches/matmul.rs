@@ -127,13 +127,17 @@ fn kernels(c: &mut Criterion) {
             if name == "lm-head" {
                 group.sample_size(10);
             }
-            for n in [1usize, 64] {
+            for n in [1usize, 4, 64] {
                 if name == "lm-head" && n > 1 {
                     continue;
                 }
                 let x = weights(n * cols);
                 let mut out = vec![0f32; n * rows];
-                let label = if n == 1 { "gemv" } else { "gemm-64" };
+                let label = match n {
+                    1 => "gemv",
+                    4 => "gemv-4 (beams)",
+                    _ => "gemm-64",
+                };
                 group.bench_function(BenchmarkId::new(label, n), |b| {
                     b.iter(|| matmul(black_box(&x), n, m.view(), &mut out).unwrap())
                 });
@@ -183,18 +187,22 @@ fn streamed(c: &mut Criterion) {
             if name == "lm-head" {
                 group.sample_size(10);
             }
-            let x = weights(cols);
-            let mut out = vec![0f32; rows];
             // A prime stride that does not divide the count: every copy once per round, and
             // never the neighbour of the one before.
             let stride = if count.is_multiple_of(37) { 1 } else { 37 };
             let mut next = 0;
-            group.bench_function(BenchmarkId::new("gemv", 1), |b| {
-                b.iter(|| {
-                    next = (next + stride) % count;
-                    matmul(black_box(&x), 1, copies[next].view(), &mut out).unwrap()
-                })
-            });
+            // One activation row (greedy decoding) and four (4 beams).
+            for n in [1usize, 4] {
+                let x = weights(n * cols);
+                let mut out = vec![0f32; n * rows];
+                let label = if n == 1 { "gemv" } else { "gemv-4 (beams)" };
+                group.bench_function(BenchmarkId::new(label, n), |b| {
+                    b.iter(|| {
+                        next = (next + stride) % count;
+                        matmul(black_box(&x), n, copies[next].view(), &mut out).unwrap()
+                    })
+                });
+            }
             group.finish();
         }
     }

@@ -564,6 +564,15 @@ pub(crate) fn gemv(
             }
             return;
         }
+        // Several activation rows on f16 weights: the same, with each weight widened once.
+        if let (true, Some(dots), MatrixFormat::F16, Activations::Float(x)) =
+            (n > 1, k.dot_f16_rows, w.format, &acts)
+        {
+            for (i, y) in dst.chunks_exact_mut(n).enumerate() {
+                dots(w.row(first_row + i), x, cols, y);
+            }
+            return;
+        }
         // One activation row: four weight rows at a time where the kernel set can (the same
         // results as one by one), the rest one by one.
         let done = if n == 1 {
@@ -1088,18 +1097,28 @@ mod tests {
 
     /// A row's product does not depend on how many activation rows come with it (a beam of
     /// one or several): one activation row takes the four-row kernels where the set has them,
-    /// several take the several-row INT8 kernels (in groups, then one by one) or go row by row,
-    /// and all give the same bits in every kernel set.
+    /// several take the several-row INT8 and f16 kernels (in groups, then one by one) or go
+    /// row by row, and all give the same bits in every format and kernel set.
     #[test]
     fn one_activation_row_gives_each_beams_bits() {
         let mut rng = Rng(12);
-        for bits in QuantBits::ALL {
+        for format in FORMATS {
             for cols in [32, 64, 96, 100, 2080, 4096] {
                 let rows = 9;
-                let data = rng.bytes(rows * bits.row_bytes(cols));
+                // Integer rows: random bytes (every code); float rows: encoded random weights.
                 let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
-                let w =
-                    MatrixRef::new(MatrixFormat::Quant(bits), rows, cols, &data, &scales).unwrap();
+                let (data, packed);
+                let w = match format {
+                    MatrixFormat::Quant(bits) => {
+                        data = rng.bytes(rows * bits.row_bytes(cols));
+                        MatrixRef::new(format, rows, cols, &data, &scales).unwrap()
+                    }
+                    _ => {
+                        let weights: Vec<f32> = (0..rows * cols).map(|_| rng.uniform()).collect();
+                        packed = PackedMatrix::encode(&weights, rows, cols, format).unwrap();
+                        packed.view()
+                    }
+                };
                 let beams: Vec<Vec<f32>> = (0..7)
                     .map(|_| (0..cols).map(|_| rng.uniform() * 3.0).collect())
                     .collect();
@@ -1125,7 +1144,7 @@ mod tests {
                                 same,
                                 "{} {} cols={cols} n={n} beam {beam}",
                                 k.name,
-                                bits.name()
+                                format.name()
                             );
                         }
                     }

@@ -104,6 +104,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     paired: false,
     dot_quant4: None,
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows(row, cols, xs, out) }),
+    dot_f16_rows: Some(|row, x, cols, out| unsafe { dot_f16_rows(row, x, cols, out) }),
 };
 
 /// Whether this CPU runs [`KERNELS_VNNI`] (AVX-VNNI on 256-bit registers: Alder Lake, Sapphire
@@ -124,6 +125,7 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     paired: false,
     dot_quant4: None,
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows_vnni(row, cols, xs, out) }),
+    dot_f16_rows: Some(|row, x, cols, out| unsafe { dot_f16_rows(row, x, cols, out) }),
 };
 
 #[target_feature(enable = "avx2,fma")]
@@ -483,6 +485,56 @@ fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m128i) -> __m256) -> f32 {
     }
     let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
     hsum(total)
+}
+
+/// [`dot_half`] of one f16 row with `N` activation rows: each 8 weights widened once, then
+/// each activation row takes [`dot_half`]'s steps (the same four accumulators, the same sums),
+/// so each result is the same bits as its own [`dot_half`].
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_f16_rows_body<const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    let steps = xs[0].len() / 32;
+    let mut acc = [[_mm256_setzero_ps(); 4]; N];
+    for s in 0..steps {
+        // Unlike one row's (see `PREFETCH_AHEAD`), these loops do several rows' arithmetic per
+        // weight: without asking for the bytes ahead, the weights came slower than row by row.
+        let ahead = row.as_ptr().wrapping_add(s * 64 + 64 + PREFETCH_AHEAD);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        let w = &row[s * 64..s * 64 + 64];
+        for j in 0..4 {
+            let wv = _mm256_cvtph_ps(load128(&w[j * 16..]));
+            for (acc, x) in acc.iter_mut().zip(xs) {
+                acc[j] = _mm256_fmadd_ps(wv, load_f32x8(&x[s * 32 + j * 8..]), acc[j]);
+            }
+        }
+    }
+    acc.map(|acc| {
+        hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ))
+    })
+}
+
+/// [`Kernels::dot_f16_rows`]: `out[i]` = [`dot_f16`] of `row` with activation row `i` of `x`
+/// (`cols` values each), two activation rows per pass (eight accumulators and four widened
+/// weights fit AVX2's sixteen registers), then one.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_f16_rows(row: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+    assert_eq!(x.len(), cols * out.len());
+    let head = cols / 32 * 32;
+    let tail = |x: &[f32]| reference::dot_f16(&row[head * 2..], &x[head..]);
+    let mut rows = x.chunks_exact(cols);
+    let mut outs = out.chunks_exact_mut(2);
+    let pairs = std::iter::from_fn(|| Some((rows.next()?, rows.next()?)));
+    for (out, (a, b)) in outs.by_ref().zip(pairs) {
+        let [dot_a, dot_b] = dot_f16_rows_body::<2>(row, [&a[..head], &b[..head]]);
+        out[0] = dot_a + tail(a);
+        out[1] = dot_b + tail(b);
+    }
+    for (out, x) in outs.into_remainder().iter_mut().zip(rows) {
+        let [dot] = dot_f16_rows_body::<1>(row, [&x[..head]]);
+        *out = dot + tail(x);
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

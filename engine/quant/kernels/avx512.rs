@@ -58,6 +58,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_int8_rows: Some(|row, cols, xs, out| unsafe {
         avx2::dot_int8_rows_evex_vnni(row, cols, xs, out)
     }),
+    dot_f16_rows: avx2::KERNELS.dot_f16_rows,
 };
 
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {

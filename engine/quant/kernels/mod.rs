@@ -147,6 +147,10 @@ pub(crate) type DotQuant4 = fn([&[u8]; 4], QuantBits, usize, &QuantRow<'_>) -> [
 pub(crate) type DotInt8Rows = fn(&[u8], usize, &[QuantRow<'_>], &mut [f32]);
 /// `Σ_i w[i] · x[i]` over a stored float row (16-bit, or f32 for [`Kernels::dot_f32`]).
 pub(crate) type DotFloat = fn(&[u8], &[f32]) -> f32;
+/// [`DotFloat`] of one f16 row with several activation rows of `cols` values (`x`, one
+/// after another; `out[i]` for row `i`), each weight value widened once for all of them; each
+/// result bit for bit the one [`DotFloat`] of the same set gives.
+pub(crate) type DotFloatRows = fn(&[u8], &[f32], usize, &mut [f32]);
 
 /// Codes in [`block_order`] and one scale per block of an f32 activation row.
 pub(crate) type QuantizeActivations = fn(&[f32], QuantBits, &mut [i8], &mut [f32]);
@@ -167,6 +171,10 @@ pub(crate) struct Kernels {
     pub dot_quant4: Option<DotQuant4>,
     /// One INT8 row with several activation rows at once, where the set has such a kernel.
     pub dot_int8_rows: Option<DotInt8Rows>,
+    /// One f16 row with several activation rows at once, where the set has such a kernel. (Not
+    /// bf16: widening bf16 takes two instructions, and the two-row AVX2 loop measured slower
+    /// than row by row, BENCHMARKS.md §9.14.)
+    pub dot_f16_rows: Option<DotFloatRows>,
 }
 
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -179,6 +187,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     paired: false,
     dot_quant4: None,
     dot_int8_rows: None,
+    dot_f16_rows: None,
 };
 
 /// Every kernel set this CPU can run, the scalar reference first.

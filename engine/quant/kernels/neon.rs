@@ -116,6 +116,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     paired: false,
     dot_quant4: None,
     dot_int8_rows: None,
+    dot_f16_rows: None,
 };
 
 pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
@@ -129,6 +130,7 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     paired: false,
     dot_quant4: None,
     dot_int8_rows: None,
+    dot_f16_rows: None,
 };
 
 #[target_feature(enable = "neon")]
