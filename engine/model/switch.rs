@@ -625,9 +625,10 @@ impl SwitchModel {
         let dec_layers = n(spec.num_decoder_layers);
         // Encoder: hidden states, q/k/v/out, scores (+ softmax copy), FF intermediate, bias.
         let encoder = src * (S(4) * d + S(4) * inner + d_ff) + S(3) * heads * src * src;
-        // Decoder caches per beam: self-attention K/V grow to `tgt`, cross-attention K/V span `src`
-        // (twice during a beam reorder, when old and new caches coexist).
-        let caches = S(2) * dec_layers * beams * S(2) * inner * (tgt + src);
+        // Decoder caches (the CPU's loops, `LoopCaches`): self-attention K/V per beam grow to
+        // `tgt` (vectors that grow may hold twice what they use), cross-attention K/V span `src`
+        // once for every beam. A reorder copies into dropped beams' caches, never beside them.
+        let caches = dec_layers * S(2) * inner * (S(2) * beams * tgt + src);
         // Logits and log-probabilities of every beam, plus the top-k workspace.
         let logits = S(3) * beams * n(spec.vocab_size);
         // The GEMM path's tile of dequantized weight rows per compute thread (experts are never
