@@ -6,8 +6,9 @@
 //!   dotted with every activation row in registers (INT8 and f16 rows with several activation
 //!   rows in one pass, where the kernel set has `Kernels::dot_int8_rows` /
 //!   `Kernels::dot_f16_rows`: the same bits as one by one). Float formats (f32 included)
-//!   take f32 activations and accumulate with FMA. Integer formats quantize each activation row to INT8 in blocks of 32
-//!   (one f32 scale per block, as llama.cpp's Q8_0) and take integer dot products per block:
+//!   take f32 activations and accumulate with FMA. Integer formats quantize each activation
+//!   row to INT8 in blocks of 32 (one f32 scale per block, as llama.cpp's Q8_0) and take
+//!   integer dot products per block:
 //!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
 //! - **GEMM** (prefill, the encoder): integer formats take the integer GEMM of
 //!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` or `smmla` on aarch64):
