@@ -155,7 +155,9 @@ fn hsum(v: __m256) -> f32 {
 /// memory). Rows of one byte or more per value (INT8, f16, bf16, f32) are not prefetched: in
 /// the engine's decode step on Zen 4 (`benches/llama_cpp_ab.sh`, BENCHMARKS.md §9.13) dropping
 /// it made INT8 decode 15–18% faster on one thread and f16 ~10%, while INT4 rows without it
-/// ran up to 1.3× slower (AVX2 set) and 2× slower (the AVX-512 four-row kernel).
+/// ran up to 1.3× slower (AVX2 set) and 2× slower (the AVX-512 four-row kernel). That is for
+/// one activation row: f16 rows dotted with several at once ([`dot_f16_rows_body`]) are
+/// prefetched, as they came from memory 1.2× faster with it (BENCHMARKS.md §9.14).
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
