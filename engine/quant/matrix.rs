@@ -549,19 +549,23 @@ pub(crate) fn gemv(
         vec![0f32; rows * n]
     };
     let target: &mut [f32] = if n == 1 { out } else { &mut by_row };
-    let task = |first_row: usize, dst: &mut [f32]| {
-        // Several activation rows on INT8 weights: all of them in one pass over each weight row,
-        // where the kernel set can (the same results as one by one).
-        if let (true, Some(dots), MatrixFormat::Quant(QuantBits::Int8)) =
-            (n > 1, k.dot_int8_rows, w.format)
-        {
+    // Several activation rows on INT8 weights: all of them in one pass over each weight row,
+    // where the kernel set can (the same results as one by one); their rows looked up once.
+    let int8_rows = match (n > 1, k.dot_int8_rows, w.format) {
+        (true, Some(dots), MatrixFormat::Quant(QuantBits::Int8)) => {
             let xs: Vec<QuantRow<'_>> = (0..n)
                 .map(|i| acts.quant_row(k, QuantBits::Int8, cols, i))
                 .collect::<Option<_>>()
                 .expect("integer activations");
+            Some((dots, xs))
+        }
+        _ => None,
+    };
+    let task = |first_row: usize, dst: &mut [f32]| {
+        if let Some((dots, xs)) = &int8_rows {
             for (i, y) in dst.chunks_exact_mut(n).enumerate() {
                 let r = first_row + i;
-                dots(w.row(r), cols, &xs, y);
+                dots(w.row(r), cols, xs, y);
                 y.iter_mut().for_each(|y| *y *= w.scales[r]);
             }
             return;
