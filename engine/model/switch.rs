@@ -616,29 +616,56 @@ impl SwitchModel {
         let spec = &self.spec;
         let f = S(4u64);
         let src = n(run.max_source_tokens);
-        let tgt = n(run.max_new_tokens) + S(1);
         let beams = n(run.beams.max(1));
         let d = n(spec.d_model);
         let inner = n(spec.inner_dim());
         let heads = n(spec.num_heads);
         let d_ff = n(spec.d_ff);
-        let dec_layers = n(spec.num_decoder_layers);
         // Encoder: hidden states, q/k/v/out, scores (+ softmax copy), FF intermediate, bias.
         let encoder = src * (S(4) * d + S(4) * inner + d_ff) + S(3) * heads * src * src;
-        // Decoder caches (the CPU's loops, `LoopCaches`): self-attention K/V per beam grow to
-        // `tgt` (vectors that grow may hold twice what they use), cross-attention K/V span `src`
-        // once for every beam. A reorder copies into dropped beams' caches, never beside them.
-        let caches = dec_layers * S(2) * inner * (S(2) * beams * tgt + src);
         // Logits and log-probabilities of every beam, plus the top-k workspace.
         let logits = S(3) * beams * n(spec.vocab_size);
         // The GEMM path's tile of dequantized weight rows per compute thread (experts are never
         // expanded whole).
         let expert_scratch = n(TILE_ROWS * compute_threads()) * d.max(d_ff);
-        (f * (encoder + caches + logits + expert_scratch)).0
+        (f * (encoder + logits + expert_scratch) + S(self.decoder_cache_bytes(run))).0
+    }
+
+    /// The bytes [`working_bytes`](Self::working_bytes) sets aside for the decoder's attention
+    /// caches over a run of `run`'s shape: what a [`DecoderState`] may hold at its largest
+    /// ([`DecoderState::held_bytes`]).
+    pub fn decoder_cache_bytes(&self, run: RunShape) -> u64 {
+        use std::num::Saturating as S;
+        let n = |v: usize| S(v as u64);
+        let src = n(run.max_source_tokens);
+        let tgt = n(run.max_new_tokens) + S(1);
+        let beams = n(run.beams.max(1));
+        let inner = n(self.spec.inner_dim());
+        let dec_layers = n(self.spec.num_decoder_layers);
+        // The CPU's loops (`LoopCaches`): self-attention K/V per beam grow to `tgt` (vectors
+        // that grow may hold twice what they use), cross-attention K/V span `src` once for
+        // every beam. A reorder copies into dropped beams' caches, never beside them.
+        (S(4) * dec_layers * S(2) * inner * (S(2) * beams * tgt + src)).0
     }
 }
 
 impl DecoderState {
+    /// Bytes the attention caches hold now (what their vectors have allocated, not only what
+    /// they use), for checking [`SwitchModel::decoder_cache_bytes`].
+    pub fn held_bytes(&self) -> u64 {
+        let tensors = self.self_kv.iter().flatten().chain(&self.cross_kv);
+        let tensor_bytes: u64 = tensors
+            .map(|(k, v)| 4 * (k.numel() + v.numel()) as u64)
+            .sum();
+        let loop_bytes: u64 = self.loops.as_ref().map_or(0, |loops| {
+            let pairs = loops.self_kv.iter().flatten().chain(&loops.cross_kv);
+            pairs
+                .map(|(k, v)| 4 * (k.capacity() + v.capacity()) as u64)
+                .sum()
+        });
+        tensor_bytes + loop_bytes
+    }
+
     pub fn len(&self) -> i64 {
         self.len
     }
