@@ -7,7 +7,7 @@
 //! largest single matrix: 412 MB at f32, 206 at f16, 103 at INT8, 52 at INT4 — far beyond a
 //! board's last-level cache, but a server's L3 can hold the smaller ones, so compare the f32 and
 //! f16 ones with the bandwidth there). GEMV is one activation row (a decode step), `gemv-4
-//! (beams)` four (a 4-beam decode step: the several-row INT8 and f16 kernels); GEMM is 64
+//! (beams)` four (a 4-beam decode step: the several-row INT8, f16 and bf16 kernels); GEMM is 64
 //! rows (an expert's share of a 512-token prefill): integer formats take the integer GEMM where
 //! the CPU has one (printed first), the others libtorch's f32 GEMM, so the f32 row is the
 //! reference the integer ones are compared with.

@@ -3,9 +3,9 @@
 //!
 //! Two paths, chosen by the number of activation rows `n`:
 //! - **GEMV** (`n` < [`GEMM_MIN_ROWS`]: decode steps, beams): each weight row is read once and
-//!   dotted with every activation row in registers (INT8 and f16 rows with several activation
-//!   rows in one pass, where the kernel set has `Kernels::dot_int8_rows` /
-//!   `Kernels::dot_f16_rows`: the same bits as one by one). Float formats (f32 included)
+//!   dotted with every activation row in registers (INT8, f16 and bf16 rows with several
+//!   activation rows in one pass, where the kernel set has `Kernels::dot_int8_rows` /
+//!   `dot_f16_rows` / `dot_bf16_rows`: the same bits as one by one). Float formats (f32 included)
 //!   take f32 activations and accumulate with FMA. Integer formats quantize each activation
 //!   row to INT8 in blocks of 32 (one f32 scale per block, as llama.cpp's Q8_0) and take
 //!   integer dot products per block:
@@ -570,10 +570,14 @@ pub(crate) fn gemv(
             }
             return;
         }
-        // Several activation rows on f16 weights: the same, with each weight widened once.
-        if let (true, Some(dots), MatrixFormat::F16, Activations::Float(x)) =
-            (n > 1, k.dot_f16_rows, w.format, &acts)
-        {
+        // Several activation rows on 16-bit float weights: the same, with each weight widened
+        // once.
+        let float_rows = match w.format {
+            MatrixFormat::F16 => k.dot_f16_rows,
+            MatrixFormat::Bf16 => k.dot_bf16_rows,
+            _ => None,
+        };
+        if let (true, Some(dots), Activations::Float(x)) = (n > 1, float_rows, &acts) {
             for (i, y) in dst.chunks_exact_mut(n).enumerate() {
                 dots(w.row(first_row + i), x, cols, y);
             }

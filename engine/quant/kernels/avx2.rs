@@ -105,6 +105,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_quant4: None,
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows(row, cols, xs, out) }),
     dot_f16_rows: Some(|row, x, cols, out| unsafe { dot_f16_rows(row, x, cols, out) }),
+    dot_bf16_rows: None,
 };
 
 /// Whether this CPU runs [`KERNELS_VNNI`] (AVX-VNNI on 256-bit registers: Alder Lake, Sapphire
@@ -126,6 +127,7 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     dot_quant4: None,
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows_vnni(row, cols, xs, out) }),
     dot_f16_rows: Some(|row, x, cols, out| unsafe { dot_f16_rows(row, x, cols, out) }),
+    dot_bf16_rows: None,
 };
 
 #[target_feature(enable = "avx2,fma")]
@@ -156,7 +158,7 @@ fn hsum(v: __m256) -> f32 {
 /// the engine's decode step on Zen 4 (`benches/llama_cpp_ab.sh`, BENCHMARKS.md §9.13) dropping
 /// it made INT8 decode 15–18% faster on one thread and f16 ~10%, while INT4 rows without it
 /// ran up to 1.3× slower (AVX2 set) and 2× slower (the AVX-512 four-row kernel). That is for
-/// one activation row: f16 rows dotted with several at once ([`dot_f16_rows_body`]) are
+/// one activation row: 16-bit rows dotted with several at once ([`dot_f16_rows_body`]) are
 /// prefetched, as they came from memory 1.2× faster with it (BENCHMARKS.md §9.14).
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
 
@@ -492,29 +494,44 @@ fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m128i) -> __m256) -> f32 {
 /// [`dot_half`] of one f16 row with `N` activation rows: each 8 weights widened once, then
 /// each activation row takes [`dot_half`]'s steps (the same four accumulators, the same sums),
 /// so each result is the same bits as its own [`dot_half`].
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_f16_rows_body<const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    let steps = xs[0].len() / 32;
-    let mut acc = [[_mm256_setzero_ps(); 4]; N];
-    for s in 0..steps {
-        // Unlike one row's (see `PREFETCH_AHEAD`), these loops do several rows' arithmetic per
-        // weight: without asking for the bytes ahead, the weights came slower than row by row.
-        let ahead = row.as_ptr().wrapping_add(s * 64 + 64 + PREFETCH_AHEAD);
-        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-        let w = &row[s * 64..s * 64 + 64];
-        for j in 0..4 {
-            let wv = _mm256_cvtph_ps(load128(&w[j * 16..]));
-            for (acc, x) in acc.iter_mut().zip(xs) {
-                acc[j] = _mm256_fmadd_ps(wv, load_f32x8(&x[s * 32 + j * 8..]), acc[j]);
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2, FMA and F16C (and AVX-512 VL for `N` = 4:
+/// sixteen accumulators need its 32 registers).
+#[inline(always)]
+unsafe fn dot_f16_rows_body<const N: usize, const BF16: bool>(
+    row: &[u8],
+    xs: [&[f32]; N],
+) -> [f32; N] {
+    // SAFETY: the intrinsics need AVX2, FMA and F16C, which the callers enable (see above).
+    unsafe {
+        let steps = xs[0].len() / 32;
+        let mut acc = [[_mm256_setzero_ps(); 4]; N];
+        for s in 0..steps {
+            // Unlike one row's (see `PREFETCH_AHEAD`), these loops do several rows' arithmetic
+            // per weight: without asking for the bytes ahead, the weights came slower than row
+            // by row.
+            let ahead = row.as_ptr().wrapping_add(s * 64 + 64 + PREFETCH_AHEAD);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            let w = &row[s * 64..s * 64 + 64];
+            for j in 0..4 {
+                let wv = if BF16 {
+                    widen_bf16(load128(&w[j * 16..]))
+                } else {
+                    _mm256_cvtph_ps(load128(&w[j * 16..]))
+                };
+                for (acc, x) in acc.iter_mut().zip(xs) {
+                    acc[j] = _mm256_fmadd_ps(wv, load_f32x8(&x[s * 32 + j * 8..]), acc[j]);
+                }
             }
         }
+        let mut out = [0f32; N];
+        for (out, acc) in out.iter_mut().zip(acc) {
+            let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            *out = hsum(total);
+        }
+        out
     }
-    acc.map(|acc| {
-        hsum(_mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        ))
-    })
 }
 
 /// [`Kernels::dot_f16_rows`]: `out[i]` = [`dot_f16`] of `row` with activation row `i` of `x`
@@ -522,20 +539,83 @@ fn dot_f16_rows_body<const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
 /// weights fit AVX2's sixteen registers), then one.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_f16_rows(row: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+    // SAFETY: this function enables what the groups need for two rows.
+    unsafe { f16_rows_in_groups::<2, false>(row, x, cols, out) }
+}
+
+/// [`Kernels::dot_f16_rows`] with AVX-512 VL's 32 registers: four activation rows per pass,
+/// then two, then one.
+///
+/// # Safety
+/// The CPU has AVX2, FMA, F16C, AVX-512 F and AVX-512 VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub(crate) unsafe fn dot_f16_rows_evex(row: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { f16_rows_in_groups::<4, false>(row, x, cols, out) }
+}
+
+/// [`Kernels::dot_bf16_rows`] with AVX-512 VL's 32 registers: [`dot_f16_rows_evex`] on bf16
+/// rows, `out[i]` the same bits as [`dot_bf16`] of `row` with activation row `i`. (Not on AVX2
+/// alone: two rows per pass measured slower than row by row, BENCHMARKS.md §9.14.)
+///
+/// # Safety
+/// The CPU has AVX2, FMA, F16C, AVX-512 F and AVX-512 VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub(crate) unsafe fn dot_bf16_rows_evex(row: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+    // SAFETY: the caller's CPU has every feature this function enables.
+    unsafe { f16_rows_in_groups::<4, true>(row, x, cols, out) }
+}
+
+/// `out[i]` = [`dot_f16`] of `row` with activation row `i` of `x`: `GROUP` rows per pass, then
+/// two, then one (a loop, not a helper taking a closure: closures do not take on the target
+/// features of the function they are written in).
+///
+/// # Safety
+/// Only inlined into functions that enable what [`dot_f16_rows_body`] needs for `GROUP` rows.
+#[inline(always)]
+unsafe fn f16_rows_in_groups<const GROUP: usize, const BF16: bool>(
+    row: &[u8],
+    x: &[f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     assert_eq!(x.len(), cols * out.len());
     let head = cols / 32 * 32;
-    let tail = |x: &[f32]| reference::dot_f16(&row[head * 2..], &x[head..]);
-    let mut rows = x.chunks_exact(cols);
-    let mut outs = out.chunks_exact_mut(2);
-    let pairs = std::iter::from_fn(|| Some((rows.next()?, rows.next()?)));
-    for (out, (a, b)) in outs.by_ref().zip(pairs) {
-        let [dot_a, dot_b] = dot_f16_rows_body::<2>(row, [&a[..head], &b[..head]]);
-        out[0] = dot_a + tail(a);
-        out[1] = dot_b + tail(b);
-    }
-    for (out, x) in outs.into_remainder().iter_mut().zip(rows) {
-        let [dot] = dot_f16_rows_body::<1>(row, [&x[..head]]);
-        *out = dot + tail(x);
+    let xs = |i: usize| &x[i * cols..][..head];
+    let mut first = 0;
+    while first < out.len() {
+        let left = out.len() - first;
+        let size = if left >= GROUP {
+            GROUP
+        } else if left >= 2 {
+            2
+        } else {
+            1
+        };
+        let dots = &mut out[first..first + size];
+        // SAFETY (each): see the function's contract.
+        unsafe {
+            if size == 4 {
+                let r = |i| xs(first + i);
+                dots.copy_from_slice(&dot_f16_rows_body::<4, BF16>(row, [r(0), r(1), r(2), r(3)]));
+            } else if size == 2 {
+                dots.copy_from_slice(&dot_f16_rows_body::<2, BF16>(
+                    row,
+                    [xs(first), xs(first + 1)],
+                ));
+            } else {
+                dots.copy_from_slice(&dot_f16_rows_body::<1, BF16>(row, [xs(first)]));
+            }
+        }
+        for (i, dot) in dots.iter_mut().enumerate() {
+            let x = &x[(first + i) * cols..][..cols];
+            *dot += if BF16 {
+                reference::dot_bf16(&row[head * 2..], &x[head..])
+            } else {
+                reference::dot_f16(&row[head * 2..], &x[head..])
+            };
+        }
+        first += size;
     }
 }
 
@@ -548,9 +628,13 @@ fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     let head = x.len() / 32 * 32;
-    dot_half(row, x, |h| {
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-    }) + reference::dot_bf16(&row[head * 2..], &x[head..])
+    dot_half(row, x, |h| widen_bf16(h)) + reference::dot_bf16(&row[head * 2..], &x[head..])
+}
+
+/// Eight bf16 values widened to f32 (exact: a bf16 is an f32's upper half).
+#[target_feature(enable = "avx2")]
+fn widen_bf16(h: __m128i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
 }
 
 /// f32 rows: 32 values per step in four accumulators, the rest scalar. No software prefetch:

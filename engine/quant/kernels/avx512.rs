@@ -58,7 +58,10 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_int8_rows: Some(|row, cols, xs, out| unsafe {
         avx2::dot_int8_rows_evex_vnni(row, cols, xs, out)
     }),
-    dot_f16_rows: avx2::KERNELS.dot_f16_rows,
+    // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
+    dot_f16_rows: Some(|row, x, cols, out| unsafe { avx2::dot_f16_rows_evex(row, x, cols, out) }),
+    // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
+    dot_bf16_rows: Some(|row, x, cols, out| unsafe { avx2::dot_bf16_rows_evex(row, x, cols, out) }),
 };
 
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 {

@@ -171,10 +171,12 @@ pub(crate) struct Kernels {
     pub dot_quant4: Option<DotQuant4>,
     /// One INT8 row with several activation rows at once, where the set has such a kernel.
     pub dot_int8_rows: Option<DotInt8Rows>,
-    /// One f16 row with several activation rows at once, where the set has such a kernel. (Not
-    /// bf16: widening bf16 takes two instructions, and the two-row AVX2 loop measured slower
-    /// than row by row, BENCHMARKS.md §9.14.)
+    /// One f16 row with several activation rows at once, where the set has such a kernel.
     pub dot_f16_rows: Option<DotFloatRows>,
+    /// The same for bf16 rows: NEON, and AVX-512 VL's four rows per pass (on AVX2 alone,
+    /// whose sixteen registers allow two, widening bf16 takes two instructions and the loop
+    /// measured slower than row by row, BENCHMARKS.md §9.14).
+    pub dot_bf16_rows: Option<DotFloatRows>,
 }
 
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -188,6 +190,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dot_quant4: None,
     dot_int8_rows: None,
     dot_f16_rows: None,
+    dot_bf16_rows: None,
 };
 
 /// Every kernel set this CPU can run, the scalar reference first.

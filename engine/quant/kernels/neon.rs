@@ -1,6 +1,7 @@
 //! NEON kernels (always present on aarch64): 16 packed bytes per step, the rest scalar; with
 //! `dotprod` (ARMv8.2+), `sdot` dot products and the integer GEMM of [`super::gemm`]; with
-//! `i8mm` (ARMv8.6+), that GEMM on `smmla`.
+//! `i8mm` (ARMv8.6+), that GEMM on `smmla`. INT8, f16 and bf16 rows also come with up to four
+//! activation rows per pass (beams), each weight loaded and widened once for all of them.
 
 use std::arch::aarch64::*;
 
@@ -98,7 +99,7 @@ fn store16(codes: int8x16_t, s: float32x4_t, o: &mut [f32; 16]) {
 use std::arch::asm;
 
 use super::gemm::{self, ActLayout, GemmActs, GemmRows, IntGemm, LANES};
-use super::{scalar as reference, Kernels, BLOCK};
+use super::{scalar as reference, Kernels, QuantRow, BLOCK};
 
 /// Whether this CPU runs [`KERNELS_DOTPROD`] (`sdot`, ARMv8.2+; a Cortex-A72 has none).
 pub(crate) fn dotprod_supported() -> bool {
@@ -115,8 +116,9 @@ pub(crate) static KERNELS: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
-    dot_int8_rows: None,
-    dot_f16_rows: None,
+    dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows(row, cols, xs, out) }),
+    dot_f16_rows: Some(|row, x, cols, out| unsafe { half_rows::<false>(row, x, cols, out) }),
+    dot_bf16_rows: Some(|row, x, cols, out| unsafe { half_rows::<true>(row, x, cols, out) }),
 };
 
 pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
@@ -129,8 +131,9 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
-    dot_int8_rows: None,
-    dot_f16_rows: None,
+    dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows_sdot(row, cols, xs, out) }),
+    dot_f16_rows: Some(|row, x, cols, out| unsafe { half_rows::<false>(row, x, cols, out) }),
+    dot_bf16_rows: Some(|row, x, cols, out| unsafe { half_rows::<true>(row, x, cols, out) }),
 };
 
 #[target_feature(enable = "neon")]
@@ -321,6 +324,177 @@ fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
         vaddq_f32(acc[0], acc[1]),
         vaddq_f32(acc[2], acc[3]),
     )) + reference::dot_f32(&row[head * 4..], &x[head..])
+}
+
+// ---- one stored row with several activation rows (beams) ----
+
+/// How many of `left` activation rows the several-row kernels take in one pass: 4, 2 or 1
+/// (their accumulators stay in registers). A plain loop rather than a helper taking a closure:
+/// closures do not take on the target features of the function they are written in.
+fn group_size(left: usize) -> usize {
+    match left {
+        4.. => 4,
+        2 | 3 => 2,
+        _ => 1,
+    }
+}
+
+/// [`Kernels::dot_int8_rows`] of [`KERNELS`]: [`dot_quant`] of one INT8 row with each of `xs`.
+#[target_feature(enable = "neon")]
+fn dot_int8_rows(row: &[u8], cols: usize, xs: &[QuantRow<'_>], out: &mut [f32]) {
+    // SAFETY: NEON is part of the aarch64 baseline.
+    unsafe { int8_rows_in_groups::<false>(row, cols, xs, out) }
+}
+
+/// [`Kernels::dot_int8_rows`] of [`KERNELS_DOTPROD`]: [`dot_quant_sdot`] of one INT8 row with
+/// each of `xs`.
+#[target_feature(enable = "neon,dotprod")]
+fn dot_int8_rows_sdot(row: &[u8], cols: usize, xs: &[QuantRow<'_>], out: &mut [f32]) {
+    // SAFETY: the caller's CPU has `dotprod` (this function's target feature).
+    unsafe { int8_rows_in_groups::<true>(row, cols, xs, out) }
+}
+
+/// `out[i]` = the INT8 dot of `row` with `xs[i]`, up to four activation rows per pass.
+///
+/// # Safety
+/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`.
+#[inline(always)]
+unsafe fn int8_rows_in_groups<const SDOT: bool>(
+    row: &[u8],
+    cols: usize,
+    xs: &[QuantRow<'_>],
+    out: &mut [f32],
+) {
+    assert_eq!(xs.len(), out.len());
+    let mut first = 0;
+    while first < xs.len() {
+        let (x, out) = (&xs[first..], &mut out[first..]);
+        let size = group_size(x.len());
+        // SAFETY (each): see the function's contract.
+        unsafe {
+            match size {
+                4 => out[..4].copy_from_slice(&int8_rows_body::<SDOT, 4>(
+                    row,
+                    cols,
+                    [&x[0], &x[1], &x[2], &x[3]],
+                )),
+                2 => {
+                    out[..2].copy_from_slice(&int8_rows_body::<SDOT, 2>(row, cols, [&x[0], &x[1]]))
+                }
+                _ => out[..1].copy_from_slice(&int8_rows_body::<SDOT, 1>(row, cols, [&x[0]])),
+            }
+        }
+        first += size;
+    }
+}
+
+/// [`dot_quant`] (or, where `SDOT`, [`dot_quant_sdot`]) of one INT8 row with `N` activation rows:
+/// each weight block is loaded once, then each activation row takes that kernel's very steps
+/// (the same block sums into the same accumulator), so each result is the same bits as its own.
+///
+/// # Safety
+/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`.
+#[inline(always)]
+unsafe fn int8_rows_body<const SDOT: bool, const N: usize>(
+    row: &[u8],
+    cols: usize,
+    xs: [&QuantRow<'_>; N],
+) -> [f32; N] {
+    // SAFETY: the intrinsics need NEON (and `sdot` dotprod), which the callers enable.
+    unsafe {
+        let full = cols / BLOCK;
+        let codes: [&[u8]; N] = xs.map(|x| {
+            assert!(x.codes.len() >= full * BLOCK && x.scales.len() >= full);
+            // SAFETY: i8 and u8 have the same layout.
+            std::slice::from_raw_parts(x.codes.as_ptr().cast::<u8>(), x.codes.len())
+        });
+        let mut acc = [vdupq_n_f32(0.0); N];
+        for (b, w) in row.chunks_exact(BLOCK).take(full).enumerate() {
+            let (w0, w1) = (load_s8(w), load_s8(&w[16..]));
+            for i in 0..N {
+                let xb = &codes[i][b * BLOCK..];
+                let (x0, x1) = (load_s8(xb), load_s8(&xb[16..]));
+                let sums = if SDOT {
+                    sdot(sdot(vdupq_n_s32(0), w0, x0), w1, x1)
+                } else {
+                    let p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), w0, x0);
+                    let p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)), w1, x1);
+                    vpadalq_s16(vpaddlq_s16(p0), p1)
+                };
+                acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(sums), xs[i].scales[b]);
+            }
+        }
+        std::array::from_fn(|i| {
+            let mut sum = vaddvq_f32(acc[i]);
+            if full * BLOCK < cols {
+                let tail = reference::block_sum(row, QuantBits::Int8, cols, full, xs[i].codes);
+                sum += xs[i].scales[full] * tail as f32;
+            }
+            sum
+        })
+    }
+}
+
+/// [`Kernels::dot_f16_rows`] (and, where `BF16`, [`Kernels::dot_bf16_rows`]): `out[i]` =
+/// [`dot_f16`] (or [`dot_bf16`]) of `row` with activation row `i` of `x` (`cols` values each),
+/// up to four activation rows per pass (sixteen accumulators).
+#[target_feature(enable = "neon")]
+fn half_rows<const BF16: bool>(row: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
+    assert_eq!(x.len(), cols * out.len());
+    let head = cols / 16 * 16;
+    let mut first = 0;
+    while first < out.len() {
+        let size = group_size(out.len() - first);
+        let xs: [&[f32]; 4] =
+            std::array::from_fn(|i| &x[(first + i.min(size - 1)) * cols..][..head]);
+        let dots = &mut out[first..first + size];
+        match size {
+            4 => dots.copy_from_slice(&half_rows_body::<4, BF16>(row, xs)),
+            2 => dots.copy_from_slice(&half_rows_body::<2, BF16>(row, [xs[0], xs[1]])),
+            _ => dots.copy_from_slice(&half_rows_body::<1, BF16>(row, [xs[0]])),
+        }
+        for (i, dot) in dots.iter_mut().enumerate() {
+            let x = &x[(first + i) * cols..][..cols];
+            *dot += if BF16 {
+                reference::dot_bf16(&row[head * 2..], &x[head..])
+            } else {
+                reference::dot_f16(&row[head * 2..], &x[head..])
+            };
+        }
+        first += size;
+    }
+}
+
+/// [`dot_half`] of one f16 (or, where `BF16`, bf16) row with `N` activation rows: each four
+/// weights widened once, then each activation row takes [`dot_half`]'s steps (the same four
+/// accumulators, the same sums), so each result is the same bits as its own [`dot_half`].
+#[target_feature(enable = "neon")]
+fn half_rows_body<const N: usize, const BF16: bool>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    let steps = xs[0].len() / 16;
+    assert!(row.len() >= steps * 32 && xs.iter().all(|x| x.len() >= steps * 16));
+    let mut acc = [[vdupq_n_f32(0.0); 4]; N];
+    for s in 0..steps {
+        for j in 0..4 {
+            // SAFETY: 8 bytes of `row` and 4 floats of each `x` from `s × 16 + j × 4` (inside
+            // the lengths asserted above).
+            let h = unsafe { vld1_u16(row.as_ptr().add(s * 32 + j * 8).cast()) };
+            let wv = if BF16 {
+                bf16x4_to_f32(h)
+            } else {
+                f16x4_to_f32(h)
+            };
+            for (acc, x) in acc.iter_mut().zip(xs) {
+                let v = unsafe { vld1q_f32(x.as_ptr().add(s * 16 + j * 4)) };
+                acc[j] = vfmaq_f32(acc[j], wv, v);
+            }
+        }
+    }
+    acc.map(|acc| {
+        vaddvq_f32(vaddq_f32(
+            vaddq_f32(acc[0], acc[1]),
+            vaddq_f32(acc[2], acc[3]),
+        ))
+    })
 }
 
 // ---- the integer GEMM (`dotprod`) ----
