@@ -491,9 +491,9 @@ fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m128i) -> __m256) -> f32 {
     hsum(total)
 }
 
-/// [`dot_half`] of one f16 row with `N` activation rows: each 8 weights widened once, then
-/// each activation row takes [`dot_half`]'s steps (the same four accumulators, the same sums),
-/// so each result is the same bits as its own [`dot_half`].
+/// [`dot_half`] of one f16 (or, where `BF16`, bf16) row with `N` activation rows: each 8
+/// weights widened once, then each activation row takes [`dot_half`]'s steps (the same four
+/// accumulators, the same sums), so each result is the same bits as its own [`dot_half`].
 ///
 /// # Safety
 /// Only inlined into functions that enable AVX2, FMA and F16C (and AVX-512 VL for `N` = 4:
@@ -566,9 +566,9 @@ pub(crate) unsafe fn dot_bf16_rows_evex(row: &[u8], x: &[f32], cols: usize, out:
     unsafe { f16_rows_in_groups::<4, true>(row, x, cols, out) }
 }
 
-/// `out[i]` = [`dot_f16`] of `row` with activation row `i` of `x`: `GROUP` rows per pass, then
-/// two, then one (a loop, not a helper taking a closure: closures do not take on the target
-/// features of the function they are written in).
+/// `out[i]` = [`dot_f16`] (or, where `BF16`, [`dot_bf16`]) of `row` with activation row `i` of
+/// `x`: `GROUP` rows per pass, then two, then one (a loop, not a helper taking a closure:
+/// closures do not take on the target features of the function they are written in).
 ///
 /// # Safety
 /// Only inlined into functions that enable what [`dot_f16_rows_body`] needs for `GROUP` rows.

@@ -329,8 +329,9 @@ fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
 // ---- one stored row with several activation rows (beams) ----
 
 /// How many of `left` activation rows the several-row kernels take in one pass: 4, 2 or 1
-/// (their accumulators stay in registers). A plain loop rather than a helper taking a closure:
-/// closures do not take on the target features of the function they are written in.
+/// (their accumulators stay in registers). The kernels loop over the groups themselves rather
+/// than hand a closure to a helper: closures do not take on the target features of the function
+/// they are written in.
 fn group_size(left: usize) -> usize {
     match left {
         4.. => 4,
