@@ -675,6 +675,15 @@ impl ExpertBuffer {
         }
     }
 
+    /// Whether one expert's read leaves at least half of the device to other reads
+    /// ([`ExpertStore::device_share`]): several channels whose transfers do not share one
+    /// bus's bytes, or a store with no device model and several channels.
+    fn spare_transfer(&self) -> bool {
+        self.store
+            .device_share(self.store.max_padded_expert_bytes())
+            <= 0.5
+    }
+
     /// Whether the forward call being computed is a decode step: at most [`MAX_ROWS`] tokens
     /// routed to the layer (one per sequence or beam), not an encoder pass or a prompt prefill.
     fn decode_step(&self) -> bool {
@@ -907,15 +916,16 @@ impl ExpertProvider for ExpertBuffer {
                     .expect(PredictorKind::Both, next_stack, next_block, &both);
             }
         }
-        // Started once this layer's own experts have been demanded (see `deferred`). On a
-        // one-channel device (an SD card), in decode steps only: an encoder pass or a prompt
-        // prefill demands most of each layer's experts anyway, one after the other, with the
-        // next one read ahead while the current one computes, so the channel is never idle
-        // and a speculative read only delays those reads and takes slots the decoder needs
-        // next (BENCHMARKS §11: decoding with prefetch on went from 1.11× off to 0.90× at
-        // rpi4-sd 10 experts). With several channels (NVMe) the spare ones can serve it; there
-        // the measurements could not tell the two rules apart, so speculation stays.
-        let speculate = self.decode_step() || self.store.queue_depth() > 1;
+        // Started once this layer's own experts have been demanded (see `deferred`). Where one
+        // read holds most of the device (a one-channel SD card; an NVMe drive behind a narrow
+        // link, whose channels overlap only their latencies), in decode steps only: an encoder
+        // pass or a prompt prefill demands most of each layer's experts anyway, one after the
+        // other, with the next one read ahead while the current one computes, so the device is
+        // never idle and a speculative read only delays those reads and takes slots the
+        // decoder needs next (BENCHMARKS §11: decoding with prefetch on went from 1.11× off to
+        // 0.90× at rpi4-sd 10 experts, and §11's last paragraph for `rpi5-nvme`). A device
+        // with transfer to spare keeps it there.
+        let speculate = self.decode_step() || self.spare_transfer();
         self.deferred = if !speculate {
             Vec::new()
         } else {
