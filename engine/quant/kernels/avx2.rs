@@ -607,14 +607,7 @@ unsafe fn f16_rows_in_groups<const GROUP: usize, const BF16: bool>(
                 dots.copy_from_slice(&dot_f16_rows_body::<1, BF16>(row, [xs(first)]));
             }
         }
-        for (i, dot) in dots.iter_mut().enumerate() {
-            let x = &x[(first + i) * cols..][..cols];
-            *dot += if BF16 {
-                reference::dot_bf16(&row[head * 2..], &x[head..])
-            } else {
-                reference::dot_f16(&row[head * 2..], &x[head..])
-            };
-        }
+        reference::add_half_tails(row, x, cols, head, first, BF16, dots);
         first += size;
     }
 }

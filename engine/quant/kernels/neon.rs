@@ -454,14 +454,7 @@ fn half_rows<const BF16: bool>(row: &[u8], x: &[f32], cols: usize, out: &mut [f3
             2 => dots.copy_from_slice(&half_rows_body::<2, BF16>(row, [xs[0], xs[1]])),
             _ => dots.copy_from_slice(&half_rows_body::<1, BF16>(row, [xs[0]])),
         }
-        for (i, dot) in dots.iter_mut().enumerate() {
-            let x = &x[(first + i) * cols..][..cols];
-            *dot += if BF16 {
-                reference::dot_bf16(&row[head * 2..], &x[head..])
-            } else {
-                reference::dot_f16(&row[head * 2..], &x[head..])
-            };
-        }
+        reference::add_half_tails(row, x, cols, head, first, BF16, dots);
         first += size;
     }
 }

@@ -160,6 +160,29 @@ pub(crate) fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
         })
 }
 
+/// The several-row 16-bit kernels' scalar part: adds to `dots[i]` the dot of `row`'s values
+/// `head..cols` with those of activation row `first + i` of `x` (rows of `cols` values), as
+/// [`dot_f16`] (or, where `bf16`, [`dot_bf16`]) computes a one-row kernel's tail.
+pub(crate) fn add_half_tails(
+    row: &[u8],
+    x: &[f32],
+    cols: usize,
+    head: usize,
+    first: usize,
+    bf16: bool,
+    dots: &mut [f32],
+) {
+    for (i, dot) in dots.iter_mut().enumerate() {
+        let x = &x[(first + i) * cols..][head..cols];
+        let row = &row[head * 2..];
+        *dot += if bf16 {
+            dot_bf16(row, x)
+        } else {
+            dot_f16(row, x)
+        };
+    }
+}
+
 /// `Σ w[i] · x[i]` over a little-endian f32 row (rarely used: f32 weights take libtorch's GEMM).
 pub(crate) fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
     row.as_chunks::<4>()
