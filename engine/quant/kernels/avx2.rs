@@ -584,14 +584,7 @@ unsafe fn f16_rows_in_groups<const GROUP: usize, const BF16: bool>(
     let xs = |i: usize| &x[i * cols..][..head];
     let mut first = 0;
     while first < out.len() {
-        let left = out.len() - first;
-        let size = if left >= GROUP {
-            GROUP
-        } else if left >= 2 {
-            2
-        } else {
-            1
-        };
+        let size = super::rows_per_pass(out.len() - first, GROUP);
         let dots = &mut out[first..first + size];
         // SAFETY (each): see the function's contract.
         unsafe {

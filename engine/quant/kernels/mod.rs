@@ -152,6 +152,20 @@ pub(crate) type DotFloat = fn(&[u8], &[f32]) -> f32;
 /// result bit for bit the one [`DotFloat`] of the same set gives.
 pub(crate) type DotFloatRows = fn(&[u8], &[f32], usize, &mut [f32]);
 
+/// How many of `left` activation rows a several-row kernel takes in its next pass: `most`
+/// (the rows whose accumulators fit its registers), else 2, else 1. The kernels loop over the
+/// passes themselves rather than hand a closure to a helper: closures do not take on the target
+/// features of the function they are written in.
+pub(crate) fn rows_per_pass(left: usize, most: usize) -> usize {
+    if left >= most {
+        most
+    } else if left >= 2 {
+        2
+    } else {
+        1
+    }
+}
+
 /// Codes in [`block_order`] and one scale per block of an f32 activation row.
 pub(crate) type QuantizeActivations = fn(&[f32], QuantBits, &mut [i8], &mut [f32]);
 

@@ -99,7 +99,7 @@ fn store16(codes: int8x16_t, s: float32x4_t, o: &mut [f32; 16]) {
 use std::arch::asm;
 
 use super::gemm::{self, ActLayout, GemmActs, GemmRows, IntGemm, LANES};
-use super::{scalar as reference, Kernels, QuantRow, BLOCK};
+use super::{rows_per_pass, scalar as reference, Kernels, QuantRow, BLOCK};
 
 /// Whether this CPU runs [`KERNELS_DOTPROD`] (`sdot`, ARMv8.2+; a Cortex-A72 has none).
 pub(crate) fn dotprod_supported() -> bool {
@@ -170,8 +170,17 @@ fn unpack_block(w: &[u8], bits: QuantBits) -> (int8x16_t, int8x16_t) {
     }
 }
 
-/// ARMv8.0: widening multiplies (`|w| ≤ 128`, `|x| ≤ 127`: an i16 holds a sum of two
-/// products) and pairwise accumulation into i32.
+/// A block's products `w · x` (32 codes each, as two vectors) summed into four i32 lanes on
+/// ARMv8.0: widening multiplies (`|w| ≤ 128`, `|x| ≤ 127`: an i16 holds a sum of two products)
+/// and pairwise accumulation into i32. [`dot_quant`] and the several-row kernels share it.
+#[target_feature(enable = "neon")]
+fn widening_block_sums(w0: int8x16_t, w1: int8x16_t, x0: int8x16_t, x1: int8x16_t) -> int32x4_t {
+    let p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), w0, x0);
+    let p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)), w1, x1);
+    vpadalq_s16(vpaddlq_s16(p0), p1)
+}
+
+/// ARMv8.0: [`widening_block_sums`] per block.
 #[target_feature(enable = "neon")]
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
     let full = cols / BLOCK;
@@ -187,9 +196,7 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f
     {
         let (w0, w1) = unpack_block(w, bits);
         let (x0, x1) = (load_s8(&xb[b * BLOCK..]), load_s8(&xb[b * BLOCK + 16..]));
-        let p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), w0, x0);
-        let p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)), w1, x1);
-        let sums = vpadalq_s16(vpaddlq_s16(p0), p1);
+        let sums = widening_block_sums(w0, w1, x0, x1);
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), d);
     }
     let mut sum = vaddvq_f32(acc);
@@ -217,6 +224,12 @@ fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
+/// [`widening_block_sums`] on `sdot`. [`dot_quant_sdot`] and the several-row kernels share it.
+#[target_feature(enable = "neon,dotprod")]
+fn sdot_block_sums(w0: int8x16_t, w1: int8x16_t, x0: int8x16_t, x1: int8x16_t) -> int32x4_t {
+    sdot(sdot(vdupq_n_s32(0), w0, x0), w1, x1)
+}
+
 #[target_feature(enable = "neon,dotprod")]
 fn dot_quant_sdot(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
     let full = cols / BLOCK;
@@ -232,7 +245,7 @@ fn dot_quant_sdot(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales
     {
         let (w0, w1) = unpack_block(w, bits);
         let (x0, x1) = (load_s8(&xb[b * BLOCK..]), load_s8(&xb[b * BLOCK + 16..]));
-        let sums = sdot(sdot(vdupq_n_s32(0), w0, x0), w1, x1);
+        let sums = sdot_block_sums(w0, w1, x0, x1);
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), d);
     }
     let mut sum = vaddvq_f32(acc);
@@ -328,18 +341,6 @@ fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
 
 // ---- one stored row with several activation rows (beams) ----
 
-/// How many of `left` activation rows the several-row kernels take in one pass: 4, 2 or 1
-/// (their accumulators stay in registers). The kernels loop over the groups themselves rather
-/// than hand a closure to a helper: closures do not take on the target features of the function
-/// they are written in.
-fn group_size(left: usize) -> usize {
-    match left {
-        4.. => 4,
-        2 | 3 => 2,
-        _ => 1,
-    }
-}
-
 /// [`Kernels::dot_int8_rows`] of [`KERNELS`]: [`dot_quant`] of one INT8 row with each of `xs`.
 #[target_feature(enable = "neon")]
 fn dot_int8_rows(row: &[u8], cols: usize, xs: &[QuantRow<'_>], out: &mut [f32]) {
@@ -370,7 +371,7 @@ unsafe fn int8_rows_in_groups<const SDOT: bool>(
     let mut first = 0;
     while first < xs.len() {
         let (x, out) = (&xs[first..], &mut out[first..]);
-        let size = group_size(x.len());
+        let size = rows_per_pass(x.len(), 4);
         // SAFETY (each): see the function's contract.
         unsafe {
             match size {
@@ -416,11 +417,9 @@ unsafe fn int8_rows_body<const SDOT: bool, const N: usize>(
                 let xb = &codes[i][b * BLOCK..];
                 let (x0, x1) = (load_s8(xb), load_s8(&xb[16..]));
                 let sums = if SDOT {
-                    sdot(sdot(vdupq_n_s32(0), w0, x0), w1, x1)
+                    sdot_block_sums(w0, w1, x0, x1)
                 } else {
-                    let p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), w0, x0);
-                    let p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)), w1, x1);
-                    vpadalq_s16(vpaddlq_s16(p0), p1)
+                    widening_block_sums(w0, w1, x0, x1)
                 };
                 acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(sums), xs[i].scales[b]);
             }
@@ -445,7 +444,7 @@ fn half_rows<const BF16: bool>(row: &[u8], x: &[f32], cols: usize, out: &mut [f3
     let head = cols / 16 * 16;
     let mut first = 0;
     while first < out.len() {
-        let size = group_size(out.len() - first);
+        let size = rows_per_pass(out.len() - first, 4);
         let xs: [&[f32]; 4] =
             std::array::from_fn(|i| &x[(first + i.min(size - 1)) * cols..][..head]);
         let dots = &mut out[first..first + size];
