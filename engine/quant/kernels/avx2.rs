@@ -152,15 +152,30 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// How far ahead of the block being computed an INT4/INT2 row's bytes are prefetched (rows are
-/// contiguous, so this reaches into the next rows; measured: +70% on an LM head streamed from
-/// memory). Rows of one byte or more per value (INT8, f16, bf16, f32) are not prefetched: in
-/// the engine's decode step on Zen 4 (`benches/llama_cpp_ab.sh`, BENCHMARKS.md §9.13) dropping
-/// it made INT8 decode 15–18% faster on one thread and f16 ~10%, while INT4 rows without it
-/// ran up to 1.3× slower (AVX2 set) and 2× slower (the AVX-512 four-row kernel). That is for
-/// one activation row: 16-bit rows dotted with several at once ([`dot_f16_rows_body`]) are
-/// prefetched, as they came from memory 1.2× faster with it (BENCHMARKS.md §9.14).
+/// How far ahead of the block being computed a row's bytes are prefetched (rows are contiguous,
+/// so this reaches into the next rows; measured: +70% on an INT4 LM head streamed from memory).
+/// INT4/INT2 rows are always prefetched. Rows of one byte or more per value (INT8, f16, bf16,
+/// f32) dotted with one activation row only where [`prefetch_wide_rows`] says so. 16-bit rows
+/// dotted with several at once ([`dot_f16_rows_body`]) always are, as they came from memory
+/// 1.2× faster with it (BENCHMARKS.md §9.14).
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
+
+/// Whether rows of one byte or more per value, dotted with one activation row, are prefetched
+/// [`PREFETCH_AHEAD`] bytes ahead: on Intel cores, not on others. Measured both ways:
+/// - on a Zen 4 core the hardware prefetchers kept up with one such row stream, and the
+///   prefetches cost time: dropping them made the engine's INT8 decode 15–18% faster on one
+///   thread and f16 ~10% (`benches/llama_cpp_ab.sh`, BENCHMARKS.md §9.13), and f32 rows had
+///   been 1.4× slower with them (§9.12);
+/// - on a Sapphire Rapids core the same rows came from memory at ~67% of the STREAM read rate
+///   without them and 80–95% with them (a row of 2048 f16 values is one 4 KiB page, and Intel's
+///   streamer does not cross pages; BENCHMARKS.md §9.16).
+pub(crate) fn prefetch_wide_rows() -> bool {
+    static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INTEL.get_or_init(|| {
+        let id = __cpuid(0);
+        [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat() == b"GenuineIntel"
+    })
+}
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
 /// codes made unsigned (`code + z`, one XOR) for `maddubs` directly, `z × Σx` subtracted once
@@ -445,10 +460,11 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
             _mm256_setzero_ps(),
         );
         let quads = full / 4 * 4;
+        let prefetch = BITS < 8 || prefetch_wide_rows();
         for b in (0..quads).step_by(4) {
-            // The next rows of a large INT4/INT2 matrix are far from the caches: ask for them
-            // early (INT8 rows go faster without, see `PREFETCH_AHEAD`).
-            if BITS < 8 {
+            // The next rows of a large matrix are far from the caches: ask for them early
+            // (INT8 rows only where that pays, see `prefetch_wide_rows`).
+            if prefetch {
                 let ahead = (b + 4) * block_bytes + PREFETCH_AHEAD;
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead).cast());
             }
@@ -474,13 +490,18 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
     }
 }
 
-/// 16-bit float rows: 32 values per step in four accumulators, the rest scalar. No software
-/// prefetch (see [`PREFETCH_AHEAD`]).
+/// 16-bit float rows: 32 values per step in four accumulators, the rest scalar. Prefetched
+/// where [`prefetch_wide_rows`] says so.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_half(row: &[u8], x: &[f32], widen: impl Fn(__m128i) -> __m256) -> f32 {
     let steps = x.len() / 32;
+    let prefetch = prefetch_wide_rows();
     let mut acc = [_mm256_setzero_ps(); 4];
     for s in 0..steps {
+        if prefetch {
+            let ahead = row.as_ptr().wrapping_add(s * 64 + 64 + PREFETCH_AHEAD);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        }
         let w = &row[s * 64..s * 64 + 64];
         let xs = &x[s * 32..s * 32 + 32];
         for (j, a) in acc.iter_mut().enumerate() {
@@ -623,17 +644,21 @@ fn widen_bf16(h: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
 }
 
-/// f32 rows: 32 values per step in four accumulators, the rest scalar. No software prefetch:
-/// the hardware prefetchers keep up with one stream of f32 rows, and a prefetch per cache line
-/// [`PREFETCH_AHEAD`] ahead made an OLMoE-shaped f32 decode step 1.4× slower on one Zen 4 core
-/// (BENCHMARKS.md §9.12).
+/// f32 rows: 32 values per step in four accumulators, the rest scalar. Prefetched where
+/// [`prefetch_wide_rows`] says so: a step reads two cache lines, so two prefetches.
 #[target_feature(enable = "avx2,fma")]
 fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
     let steps = x.len() / 32;
     assert!(row.len() >= steps * 128);
     let w = row.as_ptr();
+    let prefetch = prefetch_wide_rows();
     let mut acc = [_mm256_setzero_ps(); 4];
     for s in 0..steps {
+        if prefetch {
+            let ahead = w.wrapping_add(s * 128 + 128 + PREFETCH_AHEAD);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+        }
         let xs = &x[s * 32..s * 32 + 32];
         for (j, a) in acc.iter_mut().enumerate() {
             // SAFETY: 32 bytes from `(s × 32 + j × 8) × 4`, inside the length asserted above.
