@@ -8,6 +8,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::quant::kernels::prefetch_bytes;
 use crate::quant::matrix::{matmul, MatrixFormat, MatrixRef, PackedMatrix};
 
 /// `SwitchTransformersLayerNorm`: RMS norm, no mean subtraction, no bias.
@@ -550,8 +551,10 @@ impl CachedKv<'_> {
     /// for every head), not head by head: a head's slice of a row is a few cache lines a row
     /// apart, and walking them head by head ran at ~40% of the memory bandwidth over a long
     /// context. Each head still sums its tokens in ascending order, so the results are the same
-    /// bits either way. On x86_64 the loops are compiled for AVX2 where the CPU has it (plain
-    /// multiplies and adds, no FMA: the same roundings as the baseline SSE2 build).
+    /// bits either way. Each token's row asks for the next one's bytes ahead
+    /// ([`prefetch_bytes`]: on Intel cores, whose prefetchers lag behind this stream of rows).
+    /// On x86_64 the loops are compiled for AVX2 where the CPU has it (plain multiplies and adds,
+    /// no FMA: the same roundings as the baseline SSE2 build).
     pub fn attend(&self, q: &[f32], first: usize, scaling: f32, bias: Option<&[f32]>) -> Vec<f32> {
         self.attend_each(q, 1, first, scaling, bias)
     }
@@ -610,6 +613,7 @@ impl CachedKv<'_> {
         let mut weights = vec![0f32; rows * total];
         for t in first..total {
             let keys = &self.keys[t * width..(t + 1) * width];
+            prefetch_bytes(keys.as_ptr().wrapping_add(width).cast(), width * 4);
             for (query, query_weights) in queries
                 .chunks_exact(heads * hd)
                 .zip(weights.chunks_exact_mut(heads * total))
@@ -637,6 +641,7 @@ impl CachedKv<'_> {
         let mut out = vec![0f32; rows * hd];
         for t in first..total {
             let values = &self.values[t * width..(t + 1) * width];
+            prefetch_bytes(values.as_ptr().wrapping_add(width).cast(), width * 4);
             for (query_out, query_weights) in out
                 .chunks_exact_mut(heads * hd)
                 .zip(weights.chunks_exact(heads * total))

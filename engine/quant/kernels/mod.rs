@@ -29,6 +29,27 @@ use std::sync::OnceLock;
 
 use crate::quant::QuantBits;
 
+/// Asks for the `len` bytes from `start` on ahead of their use, one prefetch per cache line, on
+/// CPUs whose hardware prefetchers lag behind a stream of rows (see
+/// [`avx2::prefetch_wide_rows`]); nothing elsewhere. A hint only: `start` need not point into
+/// anything readable.
+#[inline(always)]
+pub(crate) fn prefetch_bytes(start: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::prefetch_wide_rows() {
+        for line in (0..len).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    start.wrapping_add(line).cast(),
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (start, len);
+}
+
 /// Values per activation block (one f32 scale each).
 pub(crate) const BLOCK: usize = 32;
 
