@@ -619,3 +619,80 @@ fn speculative_reads_start_in_decode_steps_only() {
         );
     }
 }
+
+/// A speculative load that its layer's router then does not choose gives its slot back: the
+/// buffer holds what demand paging alone would (kept, the policy valued it by the offline
+/// frequencies the wrong prediction drew on, and on a small buffer it made the experts in use
+/// miss for tens of tokens). Counted in `prefetch.refuted` and as wasted bytes, and traced as a
+/// cancel, so replay frees the slot too.
+#[test]
+fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = Bundle::open(&common::convert_to(
+        &common::fixture("tiny-tied-e4"),
+        dir.path(),
+    ))
+    .unwrap();
+    let spec = &bundle.config.model;
+    let blocks = spec.moe_blocks(Stack::Decoder);
+    let id = |layer: usize, expert| ExpertId {
+        stack: Stack::Decoder,
+        layer: layer as u16,
+        expert,
+    };
+    let trace = dir.path().join("trace.jsonl");
+    let mut buffer = ExpertBuffer::with_options(
+        bundle.open_store().unwrap(),
+        spec,
+        &BufferOptions {
+            slots: 3,
+            policy: Policy::Edgemoe,
+            prefetch: true,
+            prefetch_cap_bytes: u64::MAX,
+            predictor: PredictorKind::Gate,
+            stand_in: None,
+        },
+        None,
+    )
+    .unwrap();
+    buffer.record_trace(&trace).unwrap();
+    let (predicted, chosen) = (id(blocks[1], 2), id(blocks[1], 3));
+    // Step 1: the gate predicts expert 2 for the second MoE block; its read starts once the
+    // first block's expert is at hand, and has time to finish.
+    buffer.begin_step(Stack::Decoder);
+    buffer
+        .predicted(Stack::Decoder, blocks[1], 1, &[2])
+        .unwrap();
+    buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
+    buffer.expert(id(blocks[0], 0), None).unwrap();
+    assert_eq!(buffer.stats().prefetch.issued, 1, "the speculative read");
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    // The second block routes to expert 3 instead.
+    buffer.routed(Stack::Decoder, blocks[1], 1, &[3]).unwrap();
+    buffer.expert(chosen, None).unwrap();
+    // Step 2: the same routing; by now the refuted load has arrived, and it is dropped.
+    buffer.begin_step(Stack::Decoder);
+    buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
+    buffer.expert(id(blocks[0], 0), None).unwrap();
+    buffer.routed(Stack::Decoder, blocks[1], 1, &[3]).unwrap();
+    buffer.expert(chosen, None).unwrap();
+    let held = buffer.slot_contents();
+    assert!(
+        !held.contains(&Some(predicted)),
+        "the refuted load still holds a slot: {held:?}"
+    );
+    assert!(held.contains(&Some(chosen)) && held.contains(&Some(id(blocks[0], 0))));
+    let stats = buffer.stats().prefetch.clone();
+    assert_eq!((stats.refuted, stats.cancelled), (1, 0), "{stats:?}");
+    assert!(stats.wasted_bytes > 0, "{stats:?}");
+    buffer.finish_trace().unwrap();
+    let (_, events) = read_trace(&trace).unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind == AccessKind::Cancel && e.id() == predicted),
+        "the drop is traced as a cancel"
+    );
+}

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::policy::{Candidate, PolicyState};
-use crate::ids::ExpertId;
+use crate::ids::{ExpertId, Stack};
 
 /// The circumstances of one access.
 #[derive(Debug, Clone, Copy)]
@@ -182,7 +182,29 @@ impl SlotTable {
         Some((slot, evicted))
     }
 
-    /// Forgets `id` (a prefetch that was cancelled or failed). Returns its slot.
+    /// The experts of MoE block `layer` of `stack` that a prefetch brought in and no access has
+    /// used, now that the block's router chose `chosen` without them, other than those `pinned`
+    /// (still being read): loads whose prediction the router has just refuted.
+    pub fn refuted_prefetches(
+        &self,
+        stack: Stack,
+        layer: u16,
+        chosen: &[u16],
+        pinned: &[ExpertId],
+    ) -> Vec<ExpertId> {
+        let mut refuted: Vec<ExpertId> = self
+            .slots
+            .iter()
+            .filter(|s| s.prefetched_unused)
+            .filter_map(|s| s.holds)
+            .filter(|id| id.stack == stack && id.layer == layer)
+            .filter(|id| !chosen.contains(&id.expert) && !pinned.contains(id))
+            .collect();
+        refuted.sort();
+        refuted
+    }
+
+    /// Forgets `id` (a prefetch that was cancelled, failed or refuted). Returns its slot.
     pub fn remove(&mut self, id: ExpertId) -> Option<usize> {
         let slot = self.slot_of.remove(&id)?;
         self.slots[slot] = SlotMeta::default();

@@ -329,6 +329,7 @@ mod tests {
                 issued: 9,
                 useful: 7,
                 cancelled: 1,
+                refuted: 1,
                 failed: 0,
                 bytes_read: 4096,
                 wasted_bytes: 512,

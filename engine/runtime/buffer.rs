@@ -873,6 +873,22 @@ impl ExpertProvider for ExpertBuffer {
             let pinned = self.pinned();
             self.log(AccessKind::Cancel, id, &pinned)?;
         }
+        // Loads of this layer that a prefetch brought in and its router did not choose now:
+        // their prediction is refuted, so their slots are free again, as if they had never
+        // been read (what demand paging alone would hold). Kept, the policy would value them
+        // by the offline frequencies the prediction drew on, and where a document routes
+        // otherwise they stayed for tens of tokens and made the experts in use miss
+        // (BENCHMARKS.md §11.2).
+        let pinned = self.pinned();
+        for id in self
+            .table
+            .refuted_prefetches(stack, block as u16, experts, &pinned)
+        {
+            self.table.remove(id);
+            self.stats.prefetch.wasted_bytes += self.store.entry(id).map_or(0, |x| x.length);
+            self.stats.prefetch.refuted += 1;
+            self.log(AccessKind::Cancel, id, &pinned)?;
+        }
         self.speculation.routed(stack, block as u16, experts);
         self.refresh_speculation_stats();
         if stack == Stack::Decoder {

@@ -24,6 +24,10 @@ pub struct PrefetchStats {
     pub useful: u64,
     /// Requests dropped before their read started.
     pub cancelled: u64,
+    /// Loads that arrived and that their layer's router then did not choose: dropped, their
+    /// slots freed.
+    #[serde(default)]
+    pub refuted: u64,
     /// Reads that failed (a checksum mismatch, an I/O error): each ends the run with its error,
     /// as a failed demand read does.
     #[serde(default)]

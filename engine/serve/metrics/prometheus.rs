@@ -206,6 +206,12 @@ impl Metrics {
                 "Prefetch requests dropped before their read started.",
                 stats.prefetch.cancelled as f64,
             );
+            counter(
+                &mut out,
+                "edgemoe_prefetch_refuted_total",
+                "Prefetched experts dropped unused once their layer's router chose others.",
+                stats.prefetch.refuted as f64,
+            );
             for (name, help, value) in [
                 (
                     "edgemoe_budget_bytes",
