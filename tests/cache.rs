@@ -660,7 +660,8 @@ fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
     buffer.record_trace(&trace).unwrap();
     let (predicted, chosen) = (id(blocks[1], 2), id(blocks[1], 3));
     // Step 1: the gate predicts expert 2 for the second MoE block; its read starts once the
-    // first block's expert is at hand, and has time to finish.
+    // first block's expert is at hand (waited for here: a read not started yet would be taken
+    // back unread when the block routes, which other tests cover).
     buffer.begin_step(Stack::Decoder);
     buffer
         .predicted(Stack::Decoder, blocks[1], 1, &[2])
@@ -668,8 +669,13 @@ fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
     buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
     buffer.expert(id(blocks[0], 0), None).unwrap();
     assert_eq!(buffer.stats().prefetch.issued, 1, "the speculative read");
-    std::thread::sleep(std::time::Duration::from_millis(100));
-    // The second block routes to expert 3 instead.
+    let started = std::time::Instant::now();
+    while buffer.io().unwrap().queued().iter().sum::<usize>() > 0 {
+        assert!(started.elapsed().as_secs() < 30, "the read never started");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // The second block routes to expert 3 instead; its demand read waits behind the started
+    // one (one channel), so that one has arrived by the next step.
     buffer.routed(Stack::Decoder, blocks[1], 1, &[3]).unwrap();
     buffer.expert(chosen, None).unwrap();
     // Step 2: the same routing; by now the refuted load has arrived, and it is dropped.
