@@ -19,6 +19,7 @@ use edgemoe::cache::replay::replay;
 use edgemoe::cache::trace::{read_trace, AccessKind};
 use edgemoe::cache::Policy;
 use edgemoe::config::profile::DeviceProfile;
+use edgemoe::config::ModelSpec;
 use edgemoe::dictionary::PathDictionary;
 use edgemoe::generation::causal::complete;
 use edgemoe::ids::Stack;
@@ -27,7 +28,7 @@ use edgemoe::offline::calibrate::{build_dictionary, collect_paths};
 use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
 use edgemoe::runtime::predict::PredictorKind;
 use edgemoe::runtime::stats::ExpertStats;
-use edgemoe::store::StorageMode;
+use edgemoe::store::{ExpertStore, StorageMode};
 
 /// The demo model converted and calibrated on 20 SAMSum train dialogues, shared by the tests.
 fn calibrated_bundle() -> &'static Path {
@@ -65,6 +66,33 @@ fn calibrated_bundle() -> &'static Path {
 
 fn big() -> u64 {
     1 << 30
+}
+
+/// An `edgemoe` buffer of `slots` with prefetch on and speculation uncapped, driven by the gate
+/// lookahead (which the tests feed by hand through `ExpertBuffer::predicted`).
+fn gate_buffer(store: ExpertStore, spec: &ModelSpec, slots: usize) -> ExpertBuffer {
+    ExpertBuffer::with_options(
+        store,
+        spec,
+        &BufferOptions {
+            slots,
+            policy: Policy::Edgemoe,
+            prefetch: true,
+            prefetch_cap_bytes: u64::MAX,
+            predictor: PredictorKind::Gate,
+            stand_in: None,
+        },
+        None,
+    )
+    .unwrap()
+}
+
+/// Fixture `name` converted into a fresh temporary directory (returned with the bundle, which
+/// lives in it).
+fn converted(name: &str) -> (tempfile::TempDir, Bundle) {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = Bundle::open(&common::convert_to(&common::fixture(name), dir.path())).unwrap();
+    (dir, bundle)
 }
 
 /// A decoder-only fixture converted, with its model, golden file and a dictionary calibrated on
@@ -480,12 +508,7 @@ fn a_prefetch_that_fails_its_checksum_is_reported_and_counted() {
 fn reading_the_next_expert_ahead_never_evicts_an_expert_needed_sooner() {
     use edgemoe::ids::ExpertId;
     use edgemoe::model::provider::ExpertProvider;
-    let dir = tempfile::tempdir().unwrap();
-    let bundle = Bundle::open(&common::convert_to(
-        &common::fixture("tiny-untied-e8"),
-        dir.path(),
-    ))
-    .unwrap();
+    let (_dir, bundle) = converted("tiny-untied-e8");
     let spec = &bundle.config.model;
     let (enc, dec) = (
         spec.moe_blocks(Stack::Encoder),
@@ -569,9 +592,7 @@ fn speculative_reads_start_in_decode_steps_only() {
         ("tiny-mixtral", Stack::Decoder, 20, 4, latency_bound, 1),
     ];
     for (fixture, stack, tokens, channels, device, expect_reads) in cases {
-        let dir = tempfile::tempdir().unwrap();
-        let bundle =
-            Bundle::open(&common::convert_to(&common::fixture(fixture), dir.path())).unwrap();
+        let (_dir, bundle) = converted(fixture);
         let spec = &bundle.config.model;
         let blocks = spec.moe_blocks(stack);
         assert!(
@@ -586,20 +607,7 @@ fn speculative_reads_start_in_decode_steps_only() {
         let mut store = bundle.open_store().unwrap();
         store.set_queue_depth(channels);
         store.set_device(device);
-        let mut buffer = ExpertBuffer::with_options(
-            store,
-            spec,
-            &BufferOptions {
-                slots: 4,
-                policy: Policy::Edgemoe,
-                prefetch: true,
-                prefetch_cap_bytes: u64::MAX,
-                predictor: PredictorKind::Gate,
-                stand_in: None,
-            },
-            None,
-        )
-        .unwrap();
+        let mut buffer = gate_buffer(store, spec, 4);
         buffer.begin_step(stack);
         // The gate lookahead: every token goes to expert 2 in the next MoE block (k = 1 here,
         // whatever the model's k: only the prediction's share per token matters).
@@ -629,12 +637,7 @@ fn speculative_reads_start_in_decode_steps_only() {
 fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
     use edgemoe::ids::ExpertId;
     use edgemoe::model::provider::ExpertProvider;
-    let dir = tempfile::tempdir().unwrap();
-    let bundle = Bundle::open(&common::convert_to(
-        &common::fixture("tiny-tied-e4"),
-        dir.path(),
-    ))
-    .unwrap();
+    let (dir, bundle) = converted("tiny-tied-e4");
     let spec = &bundle.config.model;
     let blocks = spec.moe_blocks(Stack::Decoder);
     let id = |layer: usize, expert| ExpertId {
@@ -643,20 +646,7 @@ fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
         expert,
     };
     let trace = dir.path().join("trace.jsonl");
-    let mut buffer = ExpertBuffer::with_options(
-        bundle.open_store().unwrap(),
-        spec,
-        &BufferOptions {
-            slots: 3,
-            policy: Policy::Edgemoe,
-            prefetch: true,
-            prefetch_cap_bytes: u64::MAX,
-            predictor: PredictorKind::Gate,
-            stand_in: None,
-        },
-        None,
-    )
-    .unwrap();
+    let mut buffer = gate_buffer(bundle.open_store().unwrap(), spec, 3);
     buffer.record_trace(&trace).unwrap();
     let (predicted, chosen) = (id(blocks[1], 2), id(blocks[1], 3));
     // Step 1: the gate predicts expert 2 for the second MoE block; its read starts once the
