@@ -192,16 +192,14 @@ impl SlotTable {
         chosen: &[u16],
         pinned: &[ExpertId],
     ) -> Vec<ExpertId> {
-        let mut refuted: Vec<ExpertId> = self
-            .slots
+        // In slot order: deterministic, as the trace and replay need.
+        self.slots
             .iter()
             .filter(|s| s.prefetched_unused)
             .filter_map(|s| s.holds)
             .filter(|id| id.stack == stack && id.layer == layer)
             .filter(|id| !chosen.contains(&id.expert) && !pinned.contains(id))
-            .collect();
-        refuted.sort();
-        refuted
+            .collect()
     }
 
     /// Forgets `id` (a prefetch that was cancelled, failed or refuted). Returns its slot.
