@@ -3,8 +3,9 @@
 # buffer size, `summarize` over DATA with and without --no-prefetch, 40 new tokens per dialogue,
 # one compute thread; every build given runs each configuration back to back, so builds compare
 # under the same machine load. One TSV row per run.
-# Usage: benches/prefetch_sched.sh OUT.tsv BUNDLE DATA.jsonl LABEL=BINARY... 
-#        (PROFILES="rpi4-sd rpi5-sd rpi5-nvme" BUFFERS="6 10 16 24" to narrow)
+# Usage: benches/prefetch_sched.sh OUT.tsv BUNDLE DATA.jsonl LABEL=BINARY[@BUNDLE]...
+#        (PROFILES="rpi4-sd rpi5-sd rpi5-nvme" BUFFERS="6 10 16 24" to narrow; a build's own
+#        @BUNDLE replaces BUNDLE for it, e.g. the same model calibrated by another build)
 set -euo pipefail
 out=$1 bundle=$2 data=$3; shift 3
 profiles=${PROFILES:-rpi4-sd rpi5-sd rpi5-nvme}
@@ -15,10 +16,11 @@ printf 'build\tprofile\tbuffer\tprefetch\tms_per_token\thit_ratio\tstall_ms_per_
 for p in $profiles; do
   for b in $buffers; do
     for build in "$@"; do
-      label=${build%%=*} bin=${build#*=}
+      label=${build%%=*} bin=${build#*=} model=$bundle
+      case $bin in *@*) model=${bin#*@} bin=${bin%%@*} ;; esac
       for mode in on off; do
         flag=(); [ "$mode" = off ] && flag=(--no-prefetch)
-        "$bin" summarize --model "$bundle" --input "$data" --profile "$p" --storage emulate \
+        "$bin" summarize --model "$model" --input "$data" --profile "$p" --storage emulate \
           --buffer-experts "$b" --max-new-tokens 40 --beams 1 --threads 1 "${flag[@]}" \
           --stats-json "$tmp/s.json" -q >/dev/null
         python3 - "$tmp/s.json" "$label" "$p" "$b" "$mode" >>"$out" <<'PY'

@@ -4,7 +4,9 @@
 //! The dictionary maps (layer n, set at n−2, set at n−1) to, for each expert of layer n, the
 //! probability that it is among the token's experts there, with fallbacks (n, set at n−1) →
 //! layer n's marginal when a key was never seen. With top-1 routing sets are single experts and
-//! probabilities sum to 1. Encoder and decoder are kept apart. Stored in the bundle as
+//! probabilities sum to 1. Encoder and decoder are kept apart. Beside the tokens' paths it counts
+//! the stack's forward calls ([`PassCounts`]): how often a call used each expert and how often
+//! the call after it used it again, which seed the eviction policy. Stored in the bundle as
 //! `paths.bin`: magic, version, bincode.
 
 use std::collections::HashMap;
@@ -16,8 +18,12 @@ use crate::error::{Error, Result};
 use crate::ids::Stack;
 
 pub const PATHS_MAGIC: &[u8; 8] = b"EMOPATHS";
-/// Version 2: keys over expert sets (top-k).
-pub const PATHS_VERSION: u32 = 2;
+/// Version 3: version 2's body (keys over expert sets, top-k), then each stack's
+/// [`PassCounts`].
+pub const PATHS_VERSION: u32 = 3;
+/// Still read: a dictionary without [`PassCounts`] (the policy then takes a layer's passes as
+/// independent draws at the experts' token frequencies).
+const PATHS_VERSION_WITHOUT_PASSES: u32 = 2;
 pub const PATHS_FILE: &str = "paths.bin";
 
 /// Counts of one stack's paths.
@@ -35,6 +41,35 @@ pub struct StackPaths {
     pub given_two: HashMap<(u16, Vec<u16>, Vec<u16>), Vec<u64>>,
     /// Whole paths (each layer's set sorted) and how many tokens took each.
     pub paths: HashMap<Vec<u16>, u64>,
+    /// The stack's forward calls (written after both stacks' paths: see
+    /// [`PathDictionary::to_bytes`]); empty in a version-2 dictionary.
+    #[serde(skip)]
+    pub passes: PassCounts,
+}
+
+/// How a stack's forward calls — its *passes*: the encoder's pass over a document, a prompt's
+/// prefill, one decoder step (all its beams) — used each expert, over one run's consecutive
+/// passes. An eviction policy counts the same things online (`cache::policy`); these seed it.
+/// Token frequencies cannot: an encoder expert that 5% of tokens choose is used by nearly every
+/// pass over a few hundred tokens, and whether a decoder step chooses again what the step before
+/// chose (a model that repeats itself, or one that moves on) is no property of single tokens.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PassCounts {
+    /// Passes counted.
+    pub passes: u64,
+    /// `[layer][expert]`: passes in which some token chose the expert at the layer.
+    pub uses: Vec<Vec<u64>>,
+    /// `[layer][expert]`: of those, passes right after a pass that used it too.
+    pub repeats: Vec<Vec<u64>>,
+}
+
+/// What the passes of a layer did with one expert, as shares of all the layer's passes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PassShares {
+    /// Passes that used the expert.
+    pub used: f64,
+    /// Passes that used it right after a pass that used it too (≤ `used`).
+    pub repeated: f64,
 }
 
 /// Counts over a layer's experts → probability that each is among a token's `k` experts. Summed
@@ -71,6 +106,7 @@ impl StackPaths {
             given_previous: HashMap::new(),
             given_two: HashMap::new(),
             paths: HashMap::new(),
+            passes: PassCounts::default(),
         }
     }
 
@@ -119,6 +155,63 @@ impl StackPaths {
         *self.paths.entry(whole).or_insert(0) += 1;
     }
 
+    /// Counts consecutive passes of a run: `passes[i][layer]` holds the experts that pass `i`'s
+    /// tokens chose at the layer. A pass of the wrong shape, or naming an expert the stack does
+    /// not have, is skipped and breaks the sequence (the next pass counts no repeats).
+    pub fn add_passes(&mut self, passes: &[Vec<Vec<u16>>]) {
+        let (layers, experts) = (self.num_layers, self.num_experts);
+        let counts = &mut self.passes;
+        if counts.uses.is_empty() {
+            counts.uses = vec![vec![0; experts]; layers];
+            counts.repeats = vec![vec![0; experts]; layers];
+        }
+        let mut previous: Option<&Vec<Vec<u16>>> = None;
+        for pass in passes {
+            let fits =
+                pass.len() == layers && pass.iter().flatten().all(|&e| (e as usize) < experts);
+            if !fits {
+                previous = None;
+                continue;
+            }
+            counts.passes += 1;
+            for (layer, chosen) in pass.iter().enumerate() {
+                let mut chosen = chosen.clone();
+                chosen.sort_unstable();
+                chosen.dedup();
+                for expert in chosen {
+                    counts.uses[layer][expert as usize] += 1;
+                    if previous.is_some_and(|p| p[layer].contains(&expert)) {
+                        counts.repeats[layer][expert as usize] += 1;
+                    }
+                }
+            }
+            previous = Some(pass);
+        }
+    }
+
+    /// Per expert of `layer`, the shares of its passes that used it and that used it again
+    /// right after a use; `None` when no passes were counted (a version-2 dictionary).
+    pub fn pass_shares(&self, layer: usize) -> Option<Vec<PassShares>> {
+        let counts = &self.passes;
+        let (uses, repeats) = (counts.uses.get(layer)?, counts.repeats.get(layer)?);
+        if counts.passes == 0 {
+            return None;
+        }
+        let n = counts.passes as f64;
+        Some(
+            uses.iter()
+                .zip(repeats)
+                .map(|(&u, &r)| {
+                    let used = (u as f64 / n).min(1.0);
+                    PassShares {
+                        used,
+                        repeated: (r as f64 / n).min(used),
+                    }
+                })
+                .collect(),
+        )
+    }
+
     /// The sizes a loaded dictionary claims agree with each other and with what layer and
     /// expert numbers (`u16`) can address, so no later use indexes out of bounds or allocates
     /// a crafted size.
@@ -131,7 +224,13 @@ impl StackPaths {
             && self.marginal.len() == self.num_layers
             && self.marginal.iter().all(|c| c.len() == e)
             && self.given_previous.values().all(|c| c.len() == e)
-            && self.given_two.values().all(|c| c.len() == e);
+            && self.given_two.values().all(|c| c.len() == e)
+            && [&self.passes.uses, &self.passes.repeats]
+                .iter()
+                .all(|rows| {
+                    rows.is_empty()
+                        || (rows.len() == self.num_layers && rows.iter().all(|c| c.len() == e))
+                });
         if consistent {
             Ok(())
         } else {
@@ -232,13 +331,17 @@ impl PathDictionary {
         }
     }
 
-    /// The dictionary as `paths.bin` holds it.
+    /// The dictionary as `paths.bin` holds it: magic, version, the two stacks' paths as
+    /// version 2 wrote them, then their pass counts.
     pub fn to_bytes(&self) -> Vec<u8> {
         let body = bincode::serialize(self).expect("the dictionary encodes");
-        let mut bytes = Vec::with_capacity(body.len() + 12);
+        let passes = bincode::serialize(&(&self.encoder.passes, &self.decoder.passes))
+            .expect("pass counts encode");
+        let mut bytes = Vec::with_capacity(body.len() + passes.len() + 12);
         bytes.extend_from_slice(PATHS_MAGIC);
         bytes.extend_from_slice(&PATHS_VERSION.to_le_bytes());
         bytes.extend_from_slice(&body);
+        bytes.extend_from_slice(&passes);
         bytes
     }
 
@@ -261,27 +364,31 @@ impl PathDictionary {
             ));
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-        if version != PATHS_VERSION {
+        if version != PATHS_VERSION && version != PATHS_VERSION_WITHOUT_PASSES {
             return Err(Error::format(
                 path,
-                format!("path dictionary version {version}, this engine reads version {PATHS_VERSION}; run `edgemoe calibrate` again"),
+                format!("path dictionary version {version}, this engine reads versions {PATHS_VERSION_WITHOUT_PASSES} and {PATHS_VERSION}; run `edgemoe calibrate` again"),
             ));
         }
         // Same wire format as `bincode::serialize`, bounded by the file's real length: a
         // crafted length prefix fails to decode instead of allocating what it claims.
         use bincode::Options;
-        let body = &bytes[12..];
-        bincode::DefaultOptions::new()
+        let mut body = &bytes[12..];
+        let options = bincode::DefaultOptions::new()
             .with_fixint_encoding()
             .allow_trailing_bytes()
-            .with_limit(body.len() as u64)
-            .deserialize::<Self>(body)
-            .map_err(|e| Error::format(path, format!("corrupted path dictionary: {e}")))
-            .and_then(|dict| {
-                dict.encoder.check(path, "encoder")?;
-                dict.decoder.check(path, "decoder")?;
-                Ok(dict)
-            })
+            .with_limit(body.len() as u64);
+        let corrupted =
+            |e: bincode::Error| Error::format(path, format!("corrupted path dictionary: {e}"));
+        let mut dict: Self = options.deserialize_from(&mut body).map_err(corrupted)?;
+        if version == PATHS_VERSION {
+            let (encoder, decoder) = options.deserialize_from(&mut body).map_err(corrupted)?;
+            dict.encoder.passes = encoder;
+            dict.decoder.passes = decoder;
+        }
+        dict.encoder.check(path, "encoder")?;
+        dict.decoder.check(path, "decoder")?;
+        Ok(dict)
     }
 }
 
@@ -463,15 +570,67 @@ mod tests {
         assert_eq!(dict.paths[&vec![0, 1, 1, 2, 1, 2]], 5);
     }
 
+    /// Three passes of a two-layer stack: layer 0 uses expert 1 in every pass (twice right
+    /// after a use), expert 0 in the first only; layer 1 moves 2 → 3 → 2.
+    #[test]
+    fn counts_passes_and_repeats_per_expert() {
+        let mut dict = StackPaths::new(2, 4, 2);
+        assert_eq!(dict.pass_shares(0), None, "nothing counted yet");
+        dict.add_passes(&[
+            vec![vec![1, 0, 1], vec![2]],
+            vec![vec![1], vec![3]],
+            vec![vec![1], vec![2]],
+        ]);
+        assert_eq!(dict.passes.passes, 3);
+        assert_eq!(dict.passes.uses, vec![vec![1, 3, 0, 0], vec![0, 0, 2, 1]]);
+        assert_eq!(dict.passes.repeats, vec![vec![0, 2, 0, 0], vec![0; 4]]);
+        let layer0 = dict.pass_shares(0).unwrap();
+        assert_eq!(layer0[1].used, 1.0);
+        assert!((layer0[1].repeated - 2.0 / 3.0).abs() < 1e-12);
+        assert!((layer0[0].used - 1.0 / 3.0).abs() < 1e-12 && layer0[0].repeated == 0.0);
+        // A pass of the wrong shape is skipped and breaks the sequence.
+        dict.add_passes(&[
+            vec![vec![1]],
+            vec![vec![1], vec![9]],
+            vec![vec![1], vec![2]],
+        ]);
+        assert_eq!(dict.passes.passes, 4);
+        assert_eq!(
+            dict.passes.repeats[0][1], 2,
+            "no repeat across a skipped pass"
+        );
+    }
+
     #[test]
     fn round_trips_through_a_file() {
         let mut dict = PathDictionary::new(2, 3, 4, 1);
         dict.encoder.add_path(&[1, 2]);
         dict.decoder.add_path(&[0, 3, 3]);
+        dict.decoder.add_passes(&[
+            vec![vec![0], vec![3], vec![3]],
+            vec![vec![0], vec![2], vec![3]],
+        ]);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(PATHS_FILE);
         dict.save(&path).unwrap();
-        assert_eq!(PathDictionary::load(&path).unwrap(), dict);
+        let loaded = PathDictionary::load(&path).unwrap();
+        assert_eq!(loaded, dict);
+        assert_eq!(loaded.decoder.passes.repeats[2][3], 1);
+        // Version 2 (no pass counts after the paths) still loads, without them.
+        let bytes = std::fs::read(&path).unwrap();
+        let body = bincode::serialized_size(&dict).unwrap() as usize;
+        let mut v2 = bytes[..12 + body].to_vec();
+        v2[8..12].copy_from_slice(&2u32.to_le_bytes());
+        std::fs::write(&path, &v2).unwrap();
+        let old = PathDictionary::load(&path).unwrap();
+        assert_eq!(old.decoder.passes, PassCounts::default());
+        assert_eq!(old.decoder.given_previous, dict.decoder.given_previous);
+        assert_eq!(old.decoder.pass_shares(0), None);
+        // Version 3 cut after the paths: its pass counts are missing.
+        v2[8..12].copy_from_slice(&3u32.to_le_bytes());
+        std::fs::write(&path, &v2).unwrap();
+        let err = PathDictionary::load(&path).unwrap_err().to_string();
+        assert!(err.contains("corrupted"), "{err}");
         std::fs::write(&path, b"EMOPATHS\x09\x00\x00\x00").unwrap();
         assert!(PathDictionary::load(&path)
             .unwrap_err()
@@ -502,6 +661,8 @@ mod tests {
             (|d: &mut PathDictionary| d.encoder.num_experts = 1 << 60) as fn(&mut PathDictionary),
             |d| d.decoder.top_k = 0,
             |d| d.decoder.num_layers = 9,
+            |d| d.decoder.passes.uses = vec![vec![1; 4]; 2],
+            |d| d.encoder.passes.repeats = vec![vec![1; 5]; 2],
         ] {
             let mut bad = dict.clone();
             edit(&mut bad);

@@ -1439,7 +1439,7 @@ fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
                 encoder_moe_blocks: vec![],
                 decoder_moe_blocks: vec![0, 1],
             },
-            seeds: vec![],
+            seeds: edgemoe::cache::Seeds::default(),
         },
     )
     .unwrap();

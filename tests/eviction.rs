@@ -486,3 +486,74 @@ fn outputs_identical_under_every_policy_size_and_prefetch_on_inputs_that_differ_
         assert_outputs_invariant(&Subject::random(name, 10));
     }
 }
+
+/// `calibrate`'s pass counts, which seed the `edgemoe` policy, count the passes the policy
+/// itself counts: on an all-resident run, the counts `build_dictionary` makes of the model's
+/// routes equal those worked out here from the demands the buffer received (a pass = one
+/// (step, stack, layer) run of demands; a repeat = a use right after its layer's pass before
+/// used the expert too), on the demo model and a random fixture of each kind.
+#[test]
+fn calibration_counts_the_passes_the_policy_sees() {
+    let subjects = [
+        Subject::demo(4),
+        Subject::random(common::SWITCH_FIXTURES[0], 6),
+        Subject::random(common::DECODER_FIXTURES[0], 6),
+    ];
+    for subject in &subjects {
+        let spec = &subject.bundle.config.model;
+        let layers = spec.layer_map();
+        let mut buffer = subject.buffer(&no_prefetch(Policy::Lru, subject.total_experts()), None);
+        let mut recorder = Recorder {
+            inner: &mut buffer,
+            decoder_steps: 0,
+            demands: Vec::new(),
+        };
+        let generations = subject.run(&mut recorder);
+        // Per (stack, block): the experts of each of its passes, in order.
+        let mut passes: HashMap<(Stack, u16), Vec<BTreeSet<u16>>> = HashMap::new();
+        let mut last = None;
+        for &(id, step) in &recorder.demands {
+            let layer = passes.entry((id.stack, id.layer)).or_default();
+            if last != Some((step, id.stack, id.layer)) {
+                layer.push(BTreeSet::new());
+                last = Some((step, id.stack, id.layer));
+            }
+            layer.last_mut().unwrap().insert(id.expert);
+        }
+        let (encoder, decoder) = (layers.encoder_layers(), layers.decoder_layers());
+        let paths: Vec<_> = generations
+            .iter()
+            .map(|g| paths_of(&g.routes, encoder, decoder))
+            .collect();
+        let dictionary =
+            build_dictionary(&paths, encoder, decoder, spec.num_experts(), spec.top_k());
+        let mut nontrivial = false;
+        for stack in [Stack::Encoder, Stack::Decoder] {
+            let counted = &dictionary.stack(stack).passes;
+            for (moe, &block) in layers.blocks(stack).iter().enumerate() {
+                let what = format!("{}: {stack:?} block {block}", subject.name);
+                let seen = &passes[&(stack, block as u16)];
+                assert_eq!(counted.passes, seen.len() as u64, "{what}: passes");
+                for expert in 0..spec.num_experts() as u16 {
+                    let used: Vec<bool> = seen.iter().map(|p| p.contains(&expert)).collect();
+                    let uses = used.iter().filter(|&&u| u).count() as u64;
+                    let repeats = used.windows(2).filter(|w| w[0] && w[1]).count() as u64;
+                    assert_eq!(
+                        (
+                            counted.uses[moe][expert as usize],
+                            counted.repeats[moe][expert as usize]
+                        ),
+                        (uses, repeats),
+                        "{what}, expert {expert}: (uses, repeats) from calibration vs the demands"
+                    );
+                    nontrivial |= repeats > 0 && repeats < uses;
+                }
+            }
+        }
+        assert!(
+            nontrivial,
+            "{}: no expert both repeated and not",
+            subject.name
+        );
+    }
+}

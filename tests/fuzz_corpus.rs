@@ -127,25 +127,34 @@ fn make_fuzz_corpus() {
         put("store", &format!("{name}-fixup.bin"), &bytes);
     }
 
-    // paths: dictionaries of top-1 and top-2 routing.
+    // paths: dictionaries of top-1 and top-2 routing (each token a pass of its own), and the
+    // top-1 one as version 2 wrote it (no pass counts).
     use edgemoe::dictionary::PathDictionary;
     use edgemoe::ids::Stack;
     for (name, layers, experts, k) in [("top1", 3, 4, 1), ("top2", 2, 4, 2)] {
         let mut dict = PathDictionary::new(layers, layers, experts, k);
+        let mut passes = Vec::new();
         for token in 0..12u16 {
             let path: Vec<u16> = (0..layers * k)
                 .map(|i| (token + i as u16 * 3) % experts as u16)
                 .collect();
             dict.stack_mut(Stack::Encoder).add_path(&path);
             dict.stack_mut(Stack::Decoder).add_path(&path);
+            passes.push(path.chunks(k).map(<[u16]>::to_vec).collect());
+        }
+        for stack in [Stack::Encoder, Stack::Decoder] {
+            dict.stack_mut(stack).add_passes(&passes);
         }
         let path = temp("paths.bin");
         dict.save(&path).unwrap();
-        put(
-            "paths",
-            &format!("{name}.bin"),
-            &std::fs::read(&path).unwrap(),
-        );
+        let bytes = std::fs::read(&path).unwrap();
+        put("paths", &format!("{name}.bin"), &bytes);
+        if name == "top1" {
+            let body = bincode::serialized_size(&dict).unwrap() as usize;
+            let mut v2 = bytes[..12 + body].to_vec();
+            v2[8..12].copy_from_slice(&2u32.to_le_bytes());
+            put("paths", "top1-v2.bin", &v2);
+        }
     }
 
     // profile: the built-in profiles.
@@ -158,6 +167,11 @@ fn make_fuzz_corpus() {
     use edgemoe::cache::{AccessKind, LayerMap, Policy, TraceEvent, TraceHeader};
     use edgemoe::ids::ExpertId;
     let path = temp("trace.jsonl");
+    let seeded = ExpertId {
+        stack: Stack::Decoder,
+        layer: 1,
+        expert: 0,
+    };
     let header = TraceHeader {
         edgemoe_trace: TRACE_VERSION,
         slots: 2,
@@ -167,14 +181,11 @@ fn make_fuzz_corpus() {
             encoder_moe_blocks: vec![1],
             decoder_moe_blocks: vec![1, 3],
         },
-        seeds: vec![(
-            ExpertId {
-                stack: Stack::Decoder,
-                layer: 1,
-                expert: 0,
-            },
-            0.5,
-        )],
+        seeds: edgemoe::cache::Seeds {
+            frequency: vec![(seeded, 0.5)],
+            passes: vec![(seeded, 0.75, 0.5)],
+            steps_per_document: Some(2.0),
+        },
     };
     let mut writer = TraceWriter::create(&path, &header).unwrap();
     let events = [

@@ -8,6 +8,6 @@ pub mod replay;
 pub mod table;
 pub mod trace;
 
-pub use policy::{LayerMap, Policy};
+pub use policy::{LayerMap, Policy, Seeds};
 pub use table::{AccessContext, SlotTable};
 pub use trace::{AccessKind, TraceEvent, TraceHeader};

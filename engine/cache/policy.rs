@@ -26,8 +26,11 @@
 //! `f` counts demand accesses of the expert during the run (hits and misses, across evictions),
 //! seeded with the expert's offline activation frequency from the path dictionary scaled to
 //! [`SEED_WEIGHT`] passes of its layer (`n` starts at [`SEED_WEIGHT`] for every layer with
-//! seeds). A pass is one forward call's demands of one MoE layer. Ties go to the least recently
-//! used expert.
+//! seeds). A pass is one forward call's demands of one MoE layer. The `edgemoe` chances start
+//! from what calibration counted of the passes themselves ([`Seeds::passes`]: how many used the
+//! expert, how many used it right after a pass that did), over the same [`SEED_WEIGHT`] passes;
+//! without those counts, from the frequency as if passes were independent draws. Ties go to the
+//! least recently used expert.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -40,6 +43,35 @@ use crate::ids::Stack;
 
 /// Offline frequencies weigh as much as this many observed passes of a layer.
 pub const SEED_WEIGHT: f64 = 100.0;
+
+/// What calibration measured of each expert, to seed a policy's counts ([`PolicyState::new`]).
+/// A trace's header carries them (under these JSON names), so that replay starts where the
+/// live run started.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Seeds {
+    /// Share of its layer's tokens that chose the expert (its activation frequency).
+    #[serde(rename = "seeds")]
+    pub frequency: Vec<(ExpertId, f64)>,
+    /// `(expert, used, repeated)`: the shares of its layer's passes that used the expert, and
+    /// that used it right after a pass that used it too. Empty for a dictionary without pass
+    /// counts: passes are then taken as independent draws at the expert's frequency.
+    #[serde(default, rename = "pass_seeds", skip_serializing_if = "Vec::is_empty")]
+    pub passes: Vec<(ExpertId, f64, f64)>,
+    /// Decoder steps per document in calibration (its decoder passes per encoder pass), so that
+    /// the first document's encoder experts are not taken to be needed again after a step or two.
+    /// `None` without pass counts, and for a model without an encoder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps_per_document: Option<f64>,
+}
+
+/// A share read from a seed: within [0, 1], and 0 for what is not a number.
+fn share(x: f64) -> f64 {
+    if x.is_nan() {
+        0.0
+    } else {
+        x.clamp(0.0, 1.0)
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Policy {
@@ -165,17 +197,24 @@ struct Documents {
     finished_steps: u64,
     /// Decoder steps of the document being decoded.
     steps: u64,
+    /// Decoder steps of calibration's documents on average ([`Seeds::steps_per_document`]),
+    /// counted as one more finished document.
+    prior: Option<f64>,
 }
 
 impl Documents {
-    /// Expected decoder steps of the document being decoded: the mean of the finished ones,
-    /// and at least one more than it has taken so far.
+    /// Expected decoder steps of the document being decoded: the mean of the finished ones
+    /// (and of calibration's, as one document), and at least one more than it has taken so far.
     fn expected_steps(&self) -> f64 {
         let so_far = (self.steps + 1) as f64;
-        if self.finished == 0 {
+        let (documents, steps) = match self.prior {
+            Some(prior) => (self.finished + 1, self.finished_steps as f64 + prior),
+            None => (self.finished, self.finished_steps as f64),
+        };
+        if documents == 0 {
             return so_far;
         }
-        (self.finished_steps as f64 / self.finished as f64).max(so_far)
+        (steps / documents as f64).max(so_far)
     }
 }
 
@@ -209,23 +248,36 @@ pub struct PolicyState {
 }
 
 impl PolicyState {
-    /// `seeds`: offline activation probability of each expert within its layer (may be empty).
-    pub fn new(policy: Policy, layers: LayerMap, seeds: &[(ExpertId, f64)]) -> Self {
-        let frequency = seeds.iter().map(|&(id, p)| (id, p * SEED_WEIGHT)).collect();
-        // Seeds as if the layer's passes had been independent draws.
+    /// `seeds`: what calibration measured of each expert (may be empty).
+    pub fn new(policy: Policy, layers: LayerMap, seeds: &Seeds) -> Self {
+        let frequency = seeds
+            .frequency
+            .iter()
+            .map(|&(id, p)| (id, share(p) * SEED_WEIGHT))
+            .collect();
+        // Measured passes where the dictionary counted them, else as if the layer's passes had
+        // been independent draws at the expert's frequency.
+        let measured: HashMap<ExpertId, (f64, f64)> = seeds
+            .passes
+            .iter()
+            .map(|&(id, used, repeated)| (id, (share(used), share(repeated).min(share(used)))))
+            .collect();
         let uses = seeds
+            .frequency
             .iter()
             .map(|&(id, p)| {
-                let p = p.clamp(0.0, 1.0);
+                let p = share(p);
+                let (used, repeated) = measured.get(&id).copied().unwrap_or((p, p * p));
                 let uses = Uses {
-                    passes: p * SEED_WEIGHT,
-                    repeats: p * p * SEED_WEIGHT,
+                    passes: used * SEED_WEIGHT,
+                    repeats: repeated * SEED_WEIGHT,
                     last: None,
                 };
                 (id, uses)
             })
             .collect();
         let passes = seeds
+            .frequency
             .iter()
             .map(|&(id, _)| ((id.stack, id.layer), SEED_WEIGHT))
             .collect();
@@ -237,7 +289,14 @@ impl PolicyState {
             passes,
             last: None,
             last_decoder_step: None,
-            documents: Documents::default(),
+            documents: Documents {
+                // A positive number of steps that a count can reach.
+                prior: seeds
+                    .steps_per_document
+                    .filter(|&n| n.is_finite() && n > 0.0)
+                    .map(|n| n.min(1e12)),
+                ..Documents::default()
+            },
         }
     }
 
@@ -468,7 +527,14 @@ mod tests {
 
     #[test]
     fn distances_follow_the_two_readings() {
-        let state = PolicyState::new(Policy::Edgemoe, layers(), &[(dec(0, 0), 0.01)]);
+        let state = PolicyState::new(
+            Policy::Edgemoe,
+            layers(),
+            &Seeds {
+                frequency: vec![(dec(0, 0), 0.01)],
+                ..Seeds::default()
+            },
+        );
         // Executing layer 1: layer 2 runs next (d = 1), layer 1 runs again last (d = 4).
         let seeded = |layer| {
             let mut s = state.clone();
@@ -522,7 +588,7 @@ mod tests {
                 last_used: 5,
             },
         ];
-        let mut state = PolicyState::new(Policy::Lru, layers(), &[]);
+        let mut state = PolicyState::new(Policy::Lru, layers(), &Seeds::default());
         assert_eq!(state.choose_victim(&cands, Some(1)), 1);
         state.policy = Policy::Fifo;
         assert_eq!(state.choose_victim(&cands, Some(1)), 0);
@@ -539,7 +605,7 @@ mod tests {
 
     #[test]
     fn speculation_evicts_only_experts_expected_back_later_than_the_prediction() {
-        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &[]);
+        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &Seeds::default());
         // Layer 0 picks expert 0 at every step; layer 3 picks expert 5 at step 1, then 6.
         for step in 1..=8 {
             state.record_demand(dec(0, 0), step);
@@ -574,7 +640,7 @@ mod tests {
 
     #[test]
     fn edgemoe_expects_reuse_from_repeats_shares_and_distance() {
-        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &[]);
+        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &Seeds::default());
         // Four decoder steps: layer 0 always picks expert 0; layer 1 picks expert 1 once, then
         // expert 2.
         for step in 1..=4 {
@@ -608,6 +674,67 @@ mod tests {
         assert_eq!(state.choose_victim(&cands, Some(1)), 1);
     }
 
+    /// The case of a document that routes unlike calibration (BENCHMARKS.md §12): layer 1's
+    /// expert 7 took 5% of calibration's passes, and the first step of a document picks it.
+    /// Whether it is kept depends on what calibration says of its passes: if a pass that used it
+    /// was almost always followed by one that used it too (measured), it is likely back at the
+    /// layer's next pass and kept over layer 0's expert 1 (10% of passes, independent, not used
+    /// now); taken as independent draws at 5%, it is expected back later than that one and
+    /// evicted.
+    #[test]
+    fn edgemoe_seeds_its_chances_from_the_passes_calibration_counted() {
+        let (unusual, other) = (dec(1, 7), dec(0, 1));
+        let frequency = vec![
+            (dec(0, 0), 0.9),
+            (other, 0.1),
+            (dec(1, 3), 0.9),
+            (unusual, 0.05),
+        ];
+        let independent = Seeds {
+            frequency: frequency.clone(),
+            ..Seeds::default()
+        };
+        let measured = Seeds {
+            frequency,
+            passes: vec![(other, 0.1, 0.01), (unusual, 0.05, 0.049)],
+            ..Seeds::default()
+        };
+        let cands = [(0, other), (1, unusual)].map(|(slot, expert)| Candidate {
+            slot,
+            expert,
+            inserted_at: 0,
+            last_used: 0,
+        });
+        let mut seen = Vec::new();
+        for seeds in [&independent, &measured] {
+            let mut state = PolicyState::new(Policy::Edgemoe, layers(), seeds);
+            state.record_demand(dec(0, 0), 1);
+            state.record_demand(unusual, 1);
+            // Layer 2 executing.
+            let (first, _) = state.chances(unusual);
+            seen.push((state.choose_victim(&cands, Some(2)), first));
+        }
+        let (independent, measured) = (seen[0], seen[1]);
+        assert_eq!(
+            independent.0, 1,
+            "independent draws evict expert 7: {independent:?}"
+        );
+        assert!(independent.1 < 0.1, "{independent:?}");
+        assert_eq!(measured.0, 0, "measured passes keep expert 7: {measured:?}");
+        assert!(measured.1 > 0.8, "{measured:?}");
+        // Shares that are not numbers, or out of range, are read as shares within [0, 1].
+        let odd = Seeds {
+            frequency: vec![(other, f64::NAN), (unusual, 2.0)],
+            passes: vec![(other, f64::NAN, 0.5), (unusual, 3.0, f64::INFINITY)],
+            steps_per_document: Some(f64::NAN),
+        };
+        let state = PolicyState::new(Policy::Edgemoe, layers(), &odd);
+        for id in [other, unusual] {
+            let (first, later) = state.chances(id);
+            assert!((0.0..=1.0).contains(&first) && (0.0..=1.0).contains(&later));
+        }
+    }
+
     #[test]
     fn edgemoe_keeps_encoder_experts_the_next_document_needs() {
         let enc = |layer, expert| ExpertId {
@@ -615,7 +742,7 @@ mod tests {
             layer,
             expert,
         };
-        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &[]);
+        let mut state = PolicyState::new(Policy::Edgemoe, layers(), &Seeds::default());
         // Three documents of 5 decoder steps; every encoder pass picks expert 0 of each layer,
         // the decoder's layer 3 picks a different expert at every step.
         let mut step = 0;
@@ -639,5 +766,63 @@ mod tests {
         // 5 steps done, as many as the documents so far took: one more step is expected (its 4
         // decoder MoE layers), then the encoder's first MoE layer.
         assert_eq!(encoder, 5.0);
+    }
+
+    /// In the first document there are no finished ones to average: without a prior the next
+    /// encoder pass is expected one step away, so encoder experts outrank the decoder's own
+    /// (the first document's decoder then thrashes); calibration's 41 steps per document say
+    /// otherwise, and count as one finished document once documents finish.
+    #[test]
+    fn edgemoe_expects_documents_as_long_as_calibrations() {
+        let enc = |layer, expert| ExpertId {
+            stack: Stack::Encoder,
+            layer,
+            expert,
+        };
+        let run = |prior: Option<f64>, documents: u64| {
+            let mut state = PolicyState::new(
+                Policy::Edgemoe,
+                layers(),
+                &Seeds {
+                    // Decoder layer 1's expert 0 is rare in calibration, and persistent.
+                    frequency: vec![(dec(1, 0), 0.05)],
+                    passes: vec![(dec(1, 0), 0.05, 0.049)],
+                    steps_per_document: prior,
+                },
+            );
+            let mut step = 0;
+            for _ in 0..documents {
+                for layer in 0..4 {
+                    state.record_demand(enc(layer, 0), step);
+                }
+                for _ in 0..1 + u16::from(step > 0) * 8 {
+                    step += 1;
+                    for layer in 0..4 {
+                        state.record_demand(dec(layer, 0), step);
+                    }
+                }
+            }
+            state
+        };
+        // First document, one step done, layer 3 executing.
+        let (without, with) = (run(None, 1), run(Some(41.0), 1));
+        // Without: one more step (4 layers), then the encoder's first MoE layer.
+        assert_eq!(without.expected_reuse(enc(0, 0), Some(3)), 4.0 + 1.0);
+        // With: 41 − 1 steps of 4 layers, then the encoder's first MoE layer.
+        assert_eq!(with.expected_reuse(enc(0, 0), Some(3)), 40.0 * 4.0 + 1.0);
+        // Back in a few rounds: later than the encoder without the prior, sooner with it.
+        let decoder = with.expected_reuse(dec(1, 0), Some(3));
+        assert!(5.0 < decoder && decoder < 40.0 * 4.0, "{decoder}");
+        let cands = [(0, enc(0, 0)), (1, dec(1, 0))].map(|(slot, expert)| Candidate {
+            slot,
+            expert,
+            inserted_at: 0,
+            last_used: 0,
+        });
+        assert_eq!(without.choose_victim(&cands, Some(3)), 1);
+        assert_eq!(with.choose_victim(&cands, Some(3)), 0);
+        // In the second document (9 steps so far) after a first of 1 step: (1 + 41) / 2 = 21.
+        let second = run(Some(41.0), 2);
+        assert_eq!(second.documents.expected_steps(), 21.0);
     }
 }

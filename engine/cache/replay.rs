@@ -133,7 +133,7 @@ pub fn belady(events: &[TraceEvent], slots: usize) -> ReplayResult {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::policy::LayerMap;
+    use crate::cache::policy::{LayerMap, Seeds};
     use crate::ids::Stack;
 
     fn header() -> TraceHeader {
@@ -146,7 +146,7 @@ mod tests {
                 encoder_moe_blocks: vec![0],
                 decoder_moe_blocks: vec![0, 1, 2],
             },
-            seeds: vec![],
+            seeds: Seeds::default(),
         }
     }
 

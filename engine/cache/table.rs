@@ -213,7 +213,7 @@ impl SlotTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::policy::{LayerMap, Policy};
+    use crate::cache::policy::{LayerMap, Policy, Seeds};
     use crate::ids::Stack;
 
     fn dec(layer: u16, expert: u16) -> ExpertId {
@@ -229,7 +229,7 @@ mod tests {
             encoder_moe_blocks: vec![],
             decoder_moe_blocks: vec![0, 1],
         };
-        SlotTable::new(slots, PolicyState::new(policy, layers, &[]))
+        SlotTable::new(slots, PolicyState::new(policy, layers, &Seeds::default()))
     }
 
     const FREE: AccessContext<'static> = AccessContext {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::policy::{LayerMap, Policy};
+use super::policy::{LayerMap, Policy, Seeds};
 use crate::atomic::AtomicFile;
 use crate::error::{Error, Result};
 use crate::ids::ExpertId;
@@ -25,8 +25,10 @@ pub struct TraceHeader {
     pub policy: Policy,
     pub prefetch: bool,
     pub layers: LayerMap,
-    /// Offline activation frequency of each expert (seeds of `lfu`/`edgemoe` counts).
-    pub seeds: Vec<(ExpertId, f64)>,
+    /// What calibration measured of each expert (seeds of the `lfu`/`edgemoe` counts): the
+    /// keys `seeds` (activation frequencies) and `pass_seeds` (absent without pass counts).
+    #[serde(flatten)]
+    pub seeds: Seeds,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

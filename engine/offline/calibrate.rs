@@ -138,11 +138,16 @@ pub fn calibrate(options: &CalibrateOptions) -> Result<CalibrationRun> {
 }
 
 /// Activation paths of one document: per stack, one path (the `k` experts of each MoE layer,
-/// layer after layer) per token.
+/// layer after layer) per token, and per forward call of the stack (a *pass*, in order) the
+/// experts its tokens chose at each MoE layer.
 #[derive(Debug, Clone, Default)]
 pub struct DocumentPaths {
     pub encoder: Vec<Vec<u16>>,
     pub decoder: Vec<Vec<u16>>,
+    /// `[pass][layer]`: the distinct experts the encoder's forward calls chose.
+    pub encoder_passes: Vec<Vec<Vec<u16>>>,
+    /// `[pass][layer]`: the same for the decoder's (a prompt's prefill, then one per step).
+    pub decoder_passes: Vec<Vec<Vec<u16>>>,
 }
 
 impl DocumentPaths {
@@ -152,40 +157,62 @@ impl DocumentPaths {
             Stack::Decoder => &self.decoder,
         }
     }
+
+    pub fn passes(&self, stack: Stack) -> &Vec<Vec<Vec<u16>>> {
+        match stack {
+            Stack::Encoder => &self.encoder_passes,
+            Stack::Decoder => &self.decoder_passes,
+        }
+    }
 }
 
 /// Paths of the tokens of one sequence (batch of one): every forward call of a stack runs its
 /// `layers` MoE layers in order over the call's tokens — the encoder's source tokens, a
-/// decoder-only prompt's prefill, then one token per decoder step.
+/// decoder-only prompt's prefill, then one token per decoder step (one per beam).
 pub fn paths_of(
     routes: &[LayerRoute],
     encoder_layers: usize,
     decoder_layers: usize,
 ) -> DocumentPaths {
-    let stack_paths = |stack: Stack, layers: usize| -> Vec<Vec<u16>> {
+    type StackRun = (Vec<Vec<u16>>, Vec<Vec<Vec<u16>>>);
+    let stack_paths = |stack: Stack, layers: usize| -> StackRun {
         if layers == 0 {
-            return Vec::new();
+            return Default::default();
         }
         let calls: Vec<&LayerRoute> = routes.iter().filter(|r| r.stack == stack).collect();
-        let mut out = Vec::new();
+        let (mut tokens_out, mut passes) = (Vec::new(), Vec::new());
         for call in calls.chunks(layers) {
             let tokens = call[0].tokens();
             if call.len() != layers || call.iter().any(|r| r.tokens() != tokens) {
                 continue;
             }
             for t in 0..tokens {
-                out.push(
+                tokens_out.push(
                     call.iter()
                         .flat_map(|r| r.token_experts(t).iter().copied())
                         .collect(),
                 );
             }
+            passes.push(
+                call.iter()
+                    .map(|r| {
+                        let mut chosen = r.experts.clone();
+                        chosen.sort_unstable();
+                        chosen.dedup();
+                        chosen
+                    })
+                    .collect(),
+            );
         }
-        out
+        (tokens_out, passes)
     };
+    let (encoder, encoder_passes) = stack_paths(Stack::Encoder, encoder_layers);
+    let (decoder, decoder_passes) = stack_paths(Stack::Decoder, decoder_layers);
     DocumentPaths {
-        encoder: stack_paths(Stack::Encoder, encoder_layers),
-        decoder: stack_paths(Stack::Decoder, decoder_layers),
+        encoder,
+        decoder,
+        encoder_passes,
+        decoder_passes,
     }
 }
 
@@ -242,7 +269,8 @@ pub fn collect_paths_with(
     Ok(out)
 }
 
-/// Builds the dictionary from calibration documents' paths (`top_k` experts per layer).
+/// Builds the dictionary from calibration documents' paths (`top_k` experts per layer), the
+/// documents in the order they ran: their passes count as one run's, as a policy sees them.
 pub fn build_dictionary(
     documents: &[DocumentPaths],
     encoder_layers: usize,
@@ -258,6 +286,13 @@ pub fn build_dictionary(
         for path in &doc.decoder {
             dict.decoder.add_path(path);
         }
+    }
+    for stack in [Stack::Encoder, Stack::Decoder] {
+        let passes: Vec<Vec<Vec<u16>>> = documents
+            .iter()
+            .flat_map(|doc| doc.passes(stack).iter().cloned())
+            .collect();
+        dict.stack_mut(stack).add_passes(&passes);
     }
     dict
 }

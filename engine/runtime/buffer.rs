@@ -177,7 +177,7 @@ impl ExpertBuffer {
             slots,
             PolicyState::new(options.policy, layers.clone(), &seeds),
         );
-        let frequency = seeds.iter().copied().collect();
+        let frequency = seeds.frequency.iter().copied().collect();
         let read_ms = store.pacer().map_or(0.0, |p| {
             p.read_cost(store.max_padded_expert_bytes()).as_secs_f64() * 1e3
         });

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use crate::cache::policy::LayerMap;
+use crate::cache::policy::{LayerMap, Seeds};
 use crate::dictionary::PathDictionary;
 use crate::ids::{ExpertId, Stack};
 
@@ -208,28 +208,33 @@ pub fn combined_prediction(dictionary: &[ExpertId], gate: &[ExpertId]) -> Vec<Ex
     out
 }
 
-/// Offline activation frequency of every expert, from the dictionary (empty without one).
-pub fn seeds(
-    layers: &LayerMap,
-    num_experts: usize,
-    dictionary: Option<&PathDictionary>,
-) -> Vec<(ExpertId, f64)> {
+/// What the dictionary measured of every expert, to seed the eviction policy: activation
+/// frequencies, and pass shares where the dictionary counted passes (empty without one).
+pub fn seeds(layers: &LayerMap, num_experts: usize, dictionary: Option<&PathDictionary>) -> Seeds {
+    let mut out = Seeds::default();
     let Some(dict) = dictionary else {
-        return Vec::new();
+        return out;
     };
-    let mut out = Vec::new();
+    let (encoder_passes, decoder_passes) = (dict.encoder.passes.passes, dict.decoder.passes.passes);
+    if encoder_passes > 0 && decoder_passes > 0 && !layers.blocks(Stack::Encoder).is_empty() {
+        out.steps_per_document = Some(decoder_passes as f64 / encoder_passes as f64);
+    }
     for stack in [Stack::Encoder, Stack::Decoder] {
+        let paths = dict.stack(stack);
         for (moe, &block) in layers.blocks(stack).iter().enumerate() {
-            for (expert, p) in dict.stack(stack).frequencies(moe).into_iter().enumerate() {
+            let id = |expert: usize| ExpertId {
+                stack,
+                layer: block as u16,
+                expert: expert as u16,
+            };
+            for (expert, p) in paths.frequencies(moe).into_iter().enumerate() {
                 if expert < num_experts {
-                    out.push((
-                        ExpertId {
-                            stack,
-                            layer: block as u16,
-                            expert: expert as u16,
-                        },
-                        p,
-                    ));
+                    out.frequency.push((id(expert), p));
+                }
+            }
+            for (expert, shares) in paths.pass_shares(moe).into_iter().flatten().enumerate() {
+                if expert < num_experts {
+                    out.passes.push((id(expert), shares.used, shares.repeated));
                 }
             }
         }

@@ -123,8 +123,9 @@ pub fn store(data: &[u8]) {
     }
 }
 
-/// `paths.bin`: the path dictionary, then what the predictor asks of it (frequencies and
-/// predictions for the first layers of each stack, path coverage, token count).
+/// `paths.bin`: the path dictionary, then what the predictor and the policy's seeds ask of it
+/// (frequencies, pass shares and predictions for the first layers of each stack, path coverage,
+/// token count).
 pub fn paths(data: &[u8]) {
     let path = write_scratch("paths.bin", data);
     let Ok(dict) = PathDictionary::load(&path) else {
@@ -140,6 +141,7 @@ pub fn paths(data: &[u8]) {
             .collect();
         for layer in 0..=layers {
             let _ = paths.frequencies(layer);
+            let _ = paths.pass_shares(layer);
             if history.len() >= layer * paths.top_k {
                 let _ = paths.predict(layer, &history);
             }
