@@ -69,11 +69,23 @@ fn calibrating_a_switch_bundle_changes_speed_not_tokens() {
             common::samsum("train").to_str().unwrap(),
             "--limit",
             "4",
+            "--json",
+            dir.path().join("report.json").to_str().unwrap(),
         ],
         None,
     ));
     assert!(report.contains("recall@k"), "{report}");
     assert!(bundle.join("paths.bin").exists());
+    // Passes: one encoder pass per calibration document (3 of the 4, one held out), a decoder
+    // pass per step; the demo decoder mostly keeps its experts from one step to the next.
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["encoder"]["calibration_passes"], 3, "{json}");
+    let steps = json["decoder"]["calibration_passes"].as_u64().unwrap();
+    assert!(steps > 3 * 3, "{json}");
+    let repeats = json["decoder"]["pass_repeat_share"].as_f64().unwrap();
+    assert!(repeats > 0.0 && repeats < 1.0, "{json}");
     let first = std::fs::read_to_string(common::samsum("test")).unwrap();
     let out = run(
         &["summarize", "--model", b, "--buffer-experts", "6", "--ids"],

@@ -26,11 +26,12 @@
 //! `f` counts demand accesses of the expert during the run (hits and misses, across evictions),
 //! seeded with the expert's offline activation frequency from the path dictionary scaled to
 //! [`SEED_WEIGHT`] passes of its layer (`n` starts at [`SEED_WEIGHT`] for every layer with
-//! seeds). A pass is one forward call's demands of one MoE layer. The `edgemoe` chances start
-//! from what calibration counted of the passes themselves ([`Seeds::passes`]: how many used the
-//! expert, how many used it right after a pass that did), over the same [`SEED_WEIGHT`] passes;
-//! without those counts, from the frequency as if passes were independent draws. Ties go to the
-//! least recently used expert.
+//! seeds). A pass is one forward call's demands of one MoE layer. The `edgemoe` chances of a
+//! decoder expert start from what calibration counted of the passes themselves
+//! ([`Seeds::passes`]: how many used the expert, how many used it right after a pass that did),
+//! over the same [`SEED_WEIGHT`] passes; an encoder expert's, and any expert's without those
+//! counts, from its token frequency as if passes were independent draws. Ties go to the least
+//! recently used expert.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -54,7 +55,8 @@ pub struct Seeds {
     pub frequency: Vec<(ExpertId, f64)>,
     /// `(expert, used, repeated)`: the shares of its layer's passes that used the expert, and
     /// that used it right after a pass that used it too. Empty for a dictionary without pass
-    /// counts: passes are then taken as independent draws at the expert's frequency.
+    /// counts: passes are then taken as independent draws at the expert's frequency (as they
+    /// are for encoder experts in any case, see [`PolicyState::new`]).
     #[serde(default, rename = "pass_seeds", skip_serializing_if = "Vec::is_empty")]
     pub passes: Vec<(ExpertId, f64, f64)>,
     /// Decoder steps per document in calibration (its decoder passes per encoder pass), so that
@@ -255,12 +257,22 @@ impl PolicyState {
             .iter()
             .map(|&(id, p)| (id, share(p) * SEED_WEIGHT))
             .collect();
-        // Measured passes where the dictionary counted them, else as if the layer's passes had
-        // been independent draws at the expert's frequency.
+        // A decoder expert's passes as calibration counted them, with no fewer repeats than
+        // independent draws would give: a rarely chosen expert that calibration never saw twice
+        // in a row is a small sample, and trusting its zero evicted the demo model's rare
+        // experts too eagerly (BENCHMARKS.md §12.2). Encoder experts, and experts without
+        // counts, are seeded as if the layer's passes were independent draws at the expert's
+        // token frequency: seeded from their pass share (nearly every document uses every
+        // encoder expert) the policy keeps them over the decoder's own experts, which on the
+        // demo model moved the stalls from the encoder into decoding for the same bytes read.
         let measured: HashMap<ExpertId, (f64, f64)> = seeds
             .passes
             .iter()
-            .map(|&(id, used, repeated)| (id, (share(used), share(repeated).min(share(used)))))
+            .filter(|(id, _, _)| id.stack == Stack::Decoder)
+            .map(|&(id, used, repeated)| {
+                let used = share(used);
+                (id, (used, share(repeated).max(used * used).min(used)))
+            })
             .collect();
         let uses = seeds
             .frequency
@@ -722,6 +734,25 @@ mod tests {
         assert!(independent.1 < 0.1, "{independent:?}");
         assert_eq!(measured.0, 0, "measured passes keep expert 7: {measured:?}");
         assert!(measured.1 > 0.8, "{measured:?}");
+        // Zero repeats in calibration count as independent draws (used²); an encoder expert's
+        // pass counts are not used (its token frequency seeds it).
+        let enc = ExpertId {
+            stack: Stack::Encoder,
+            layer: 0,
+            expert: 0,
+        };
+        let state = PolicyState::new(
+            Policy::Edgemoe,
+            layers(),
+            &Seeds {
+                frequency: vec![(other, 0.1), (enc, 0.1)],
+                passes: vec![(other, 0.1, 0.0), (enc, 1.0, 1.0)],
+                ..Seeds::default()
+            },
+        );
+        assert!((state.uses[&other].repeats - 0.01 * SEED_WEIGHT).abs() < 1e-9);
+        assert!((state.uses[&enc].passes - 0.1 * SEED_WEIGHT).abs() < 1e-9);
+        assert!((state.uses[&enc].repeats - 0.01 * SEED_WEIGHT).abs() < 1e-9);
         // Shares that are not numbers, or out of range, are read as shares within [0, 1].
         let odd = Seeds {
             frequency: vec![(other, f64::NAN), (unusual, 2.0)],

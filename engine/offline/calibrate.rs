@@ -306,6 +306,11 @@ pub struct StackReport {
     /// Share of calibration tokens whose path is among the 20% most frequent paths.
     pub top20_path_coverage: f64,
     pub held_out_tokens: u64,
+    /// Forward calls of the stack in calibration (an encoder pass per document; a decoder step).
+    pub calibration_passes: u64,
+    /// Share of the experts a pass used that the pass before it had used too (what the
+    /// eviction policy's seeds start from; 0 without passes).
+    pub pass_repeat_share: f64,
     pub layers: Vec<LayerAccuracy>,
 }
 
@@ -335,6 +340,17 @@ pub fn report(
             distinct_paths: paths.paths.len(),
             top20_path_coverage: paths.top_path_coverage(0.2),
             held_out_tokens: layers.first().map_or(0, |l| l.tokens),
+            calibration_passes: paths.passes.passes,
+            pass_repeat_share: {
+                let sum =
+                    |rows: &Vec<Vec<u64>>| rows.iter().flatten().map(|&c| c as f64).sum::<f64>();
+                let uses = sum(&paths.passes.uses);
+                if uses > 0.0 {
+                    sum(&paths.passes.repeats) / uses
+                } else {
+                    0.0
+                }
+            },
             layers,
         }
     };
@@ -363,6 +379,13 @@ impl CalibrationReport {
                 100.0 * s.top20_path_coverage,
                 s.held_out_tokens
             );
+            if s.calibration_passes > 0 {
+                out += &format!(
+                    "  {} passes (forward calls); {:.1}% of the experts a pass used, the pass before had used too\n",
+                    s.calibration_passes,
+                    100.0 * s.pass_repeat_share
+                );
+            }
             out +=
                 "  MoE layer   top-1   top-2   recall@k   same as previous token   most frequent\n";
             for l in &s.layers {
