@@ -63,6 +63,20 @@ pub struct PassCounts {
     pub repeats: Vec<Vec<u64>>,
 }
 
+impl PassCounts {
+    /// Share of the experts a pass used that the pass before it had used too, over all layers
+    /// (0 without passes).
+    pub fn repeat_share(&self) -> f64 {
+        let sum = |rows: &[Vec<u64>]| rows.iter().flatten().map(|&c| c as f64).sum::<f64>();
+        let uses = sum(&self.uses);
+        if uses > 0.0 {
+            sum(&self.repeats) / uses
+        } else {
+            0.0
+        }
+    }
+}
+
 /// What the passes of a layer did with one expert, as shares of all the layer's passes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PassShares {
@@ -584,6 +598,7 @@ mod tests {
         assert_eq!(dict.passes.passes, 3);
         assert_eq!(dict.passes.uses, vec![vec![1, 3, 0, 0], vec![0, 0, 2, 1]]);
         assert_eq!(dict.passes.repeats, vec![vec![0, 2, 0, 0], vec![0; 4]]);
+        assert!((dict.passes.repeat_share() - 2.0 / 7.0).abs() < 1e-12);
         let layer0 = dict.pass_shares(0).unwrap();
         assert_eq!(layer0[1].used, 1.0);
         assert!((layer0[1].repeated - 2.0 / 3.0).abs() < 1e-12);

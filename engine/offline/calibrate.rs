@@ -341,16 +341,7 @@ pub fn report(
             top20_path_coverage: paths.top_path_coverage(0.2),
             held_out_tokens: layers.first().map_or(0, |l| l.tokens),
             calibration_passes: paths.passes.passes,
-            pass_repeat_share: {
-                let sum =
-                    |rows: &Vec<Vec<u64>>| rows.iter().flatten().map(|&c| c as f64).sum::<f64>();
-                let uses = sum(&paths.passes.uses);
-                if uses > 0.0 {
-                    sum(&paths.passes.repeats) / uses
-                } else {
-                    0.0
-                }
-            },
+            pass_repeat_share: paths.passes.repeat_share(),
             layers,
         }
     };
