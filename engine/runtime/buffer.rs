@@ -878,16 +878,19 @@ impl ExpertProvider for ExpertBuffer {
         // been read (what demand paging alone would hold). Kept, the policy would value them
         // by the offline frequencies the prediction drew on, and where a document routes
         // otherwise they stayed for tens of tokens and made the experts in use miss
-        // (BENCHMARKS.md §11.2).
-        let pinned = self.pinned();
-        for id in self
-            .table
-            .refuted_prefetches(stack, block as u16, experts, &pinned)
-        {
-            self.table.remove(id);
-            self.stats.prefetch.wasted_bytes += self.store.entry(id).map_or(0, |x| x.length);
-            self.stats.prefetch.refuted += 1;
-            self.log(AccessKind::Cancel, id, &pinned)?;
+        // (BENCHMARKS.md §11.2). Without prefetch there are none, and every MoE layer of every
+        // decoder step routes: no scan then.
+        if self.prefetch {
+            let pinned = self.pinned();
+            for id in self
+                .table
+                .refuted_prefetches(stack, block as u16, experts, &pinned)
+            {
+                self.table.remove(id);
+                self.stats.prefetch.wasted_bytes += self.store.entry(id).map_or(0, |x| x.length);
+                self.stats.prefetch.refuted += 1;
+                self.log(AccessKind::Cancel, id, &pinned)?;
+            }
         }
         self.speculation.routed(stack, block as u16, experts);
         self.refresh_speculation_stats();
