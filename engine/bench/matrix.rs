@@ -1,16 +1,19 @@
 //! `edgemoe bench`: the paper's comparisons as a matrix of engine modes × memory budgets (or
 //! buffer sizes), each run in a child process — inside a memory cgroup limited to the budget
-//! where the machine allows it, so page-cache baselines pay for what they map — with the store's
-//! cached pages dropped before every run. Each child's `--stats-json` file is read back as
-//! [`RunStats`]; the matrix is written as `results.json`, `results.md` and SVG/PNG charts.
+//! where the machine allows it, so page-cache baselines pay for what they map — with the
+//! bundles' cached pages (expert store and resident weights) dropped before every run, so that
+//! each run reads, and its cgroup is charged for, every page it touches. Each child's
+//! `--stats-json` file is read back as [`RunStats`]; the matrix is written as `results.json`,
+//! `results.md` and SVG/PNG charts.
 //!
 //! The cgroup of a run holds its budget plus the process's own memory (binary, libtorch,
 //! allocator), measured once per matrix by a probe run that holds no expert buffer (`io-exp` on
-//! the first document, in a cgroup of its own: its peak minus resident weights, working memory
-//! and its one expert)
-//! unless given. With `--buffer-experts N`, `mmap`'s cgroup holds exactly what `edgemoe` holds
-//! with N slots — that overhead, the resident weights, the working memory and N slots — so the
-//! page cache gets the memory the buffer would have had, not the profile's whole budget.
+//! the first document, in a cgroup of its own: its peak minus resident weights — counted once,
+//! though the peak also holds the cached file they were copied from — working memory and its
+//! one expert) unless given. With `--buffer-experts N`, `mmap`'s cgroup holds exactly what
+//! `edgemoe` holds with N slots — that overhead, the resident weights, the working memory and N
+//! slots — so the page cache gets the memory the buffer would have had, not the profile's whole
+//! budget.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -21,7 +24,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::bench::charts::{plot_latency_bars, plot_latency_vs_budget, plot_sample_cdf};
 use crate::bench::report::{BenchReport, BenchRow, FailedRun};
-use crate::bundle::EXPERTS_FILE;
+use crate::bundle::{EXPERTS_FILE, RESIDENT_FILE};
 use crate::config::profile::DeviceProfile;
 use crate::error::{Error, Result};
 use crate::generation::report::RunStats;
@@ -264,8 +267,22 @@ impl Footprint {
     /// From a run without an expert buffer: its peak memory (its cgroup's peak where it ran in
     /// one — what a cgroup limit is checked against — else its peak RSS) less the resident
     /// weights, working memory and the expert(s) it held (`buffer_bytes`).
-    pub fn from_probe(stats: &RunStats, cgroup_peak_bytes: Option<u64>) -> Footprint {
-        let peak = cgroup_peak_bytes.unwrap_or(stats.peak_rss_bytes);
+    ///
+    /// `resident_file_cached_bytes`: the page cache of the bundle's resident weights file that
+    /// the probe read (and its cgroup was charged for). The engine copies resident weights out
+    /// of the file into its own memory, so a cgroup's peak holds them twice — the copy and,
+    /// until reclaimed, the cache of the file — and only the copy is held: counted in the
+    /// overhead, the cached file gave an `mmap` run that much page cache for experts on top of
+    /// what `edgemoe` held (BENCHMARKS.md §12.3). Peak RSS counts no page cache.
+    pub fn from_probe(
+        stats: &RunStats,
+        cgroup_peak_bytes: Option<u64>,
+        resident_file_cached_bytes: u64,
+    ) -> Footprint {
+        let peak = match cgroup_peak_bytes {
+            Some(peak) => peak.saturating_sub(resident_file_cached_bytes),
+            None => stats.peak_rss_bytes,
+        };
         Footprint {
             overhead_bytes: peak
                 .saturating_sub(stats.resident_bytes + stats.working_bytes + stats.buffer_bytes),
@@ -273,6 +290,19 @@ impl Footprint {
             working_bytes: stats.working_bytes,
         }
     }
+}
+
+/// Bytes of the file at `path` in the page cache now (`mincore`); 0 for a file that cannot be
+/// mapped.
+fn cached_bytes(path: &Path) -> u64 {
+    let Ok(map) = crate::weights::MappedBytes::open(path) else {
+        return 0;
+    };
+    let len = map.as_slice().len();
+    if len == 0 {
+        return 0;
+    }
+    (len as u64).saturating_sub(map.missing_bytes(0, len))
 }
 
 /// Headroom over a probe-measured overhead: two runs of the same binary differ by a few MiB
@@ -336,6 +366,20 @@ fn summarize_command(
     command
 }
 
+/// Drops the cached pages of each bundle's expert store and resident weights, so that the next
+/// run reads them from the device and its cgroup is charged for them. Page cache is charged to
+/// the cgroup that first reads a page: without the drop, the resident weights a previous run
+/// (or the probe) read stay charged to that run's group, and an `mmap` run, whose limit counts
+/// the resident weights, got their size in page cache for experts on top of what `edgemoe`
+/// held (BENCHMARKS.md §12.3).
+fn start_cold<'a>(bundles: impl IntoIterator<Item = &'a PathBuf>) {
+    for bundle in bundles {
+        for file in [EXPERTS_FILE, RESIDENT_FILE] {
+            crate::io::drop_cached_pages(&bundle.join(file));
+        }
+    }
+}
+
 /// Measures the process overhead with an `io-exp` run on the first document, in a cgroup of
 /// its own (limited far above its needs) where the machine allows it.
 fn probe_footprint(
@@ -349,6 +393,7 @@ fn probe_footprint(
     let line = serde_json::json!({ "document": document }).to_string() + "\n";
     crate::atomic::write_file(&input, line.as_bytes())?;
     let stats_path = out.join("runs").join("probe-io-exp.json");
+    start_cold([&options.model]);
     let cgroup = Cgroup::create(
         cgroup_index,
         budget.saturating_mul(4).saturating_add(4 << 30),
@@ -367,6 +412,7 @@ fn probe_footprint(
     Ok(Footprint::from_probe(
         &RunStats::load(&stats_path)?,
         cgroup.as_ref().and_then(Cgroup::peak_bytes),
+        cached_bytes(&options.model.join(RESIDENT_FILE)),
     ))
 }
 
@@ -437,9 +483,7 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         if let Some(q) = &quantized {
             command.arg("--quantized").arg(q);
         }
-        for bundle in std::iter::once(&options.model).chain(quantized.as_ref()) {
-            crate::io::drop_cached_pages(&bundle.join(EXPERTS_FILE));
-        }
+        start_cold(std::iter::once(&options.model).chain(quantized.as_ref()));
         // io-free is the infinite-memory oracle: it is not confined.
         let confine = options.confine && run.mode != Mode::IoFree;
         let limit = cgroup_limit(run, budget, &footprint, slot_bytes);
@@ -606,6 +650,43 @@ fn write_charts(rows: &[BenchRow], title: &str, out: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_probe_counts_resident_weights_once() {
+        let stats = RunStats {
+            peak_rss_bytes: 1_300,
+            resident_bytes: 1_000,
+            working_bytes: 50,
+            buffer_bytes: 10,
+            ..crate::generation::report::tests::example()
+        };
+        // In a cgroup: the copy of the resident weights and the cached file they were copied
+        // from (900 of its bytes still cached) are both in the peak; only the copy is held.
+        let footprint = Footprint::from_probe(&stats, Some(200 + 1_000 + 50 + 10 + 900), 900);
+        assert_eq!(
+            footprint,
+            Footprint {
+                overhead_bytes: 200,
+                resident_bytes: 1_000,
+                working_bytes: 50,
+            }
+        );
+        // Peak RSS holds no page cache.
+        assert_eq!(
+            Footprint::from_probe(&stats, None, 900).overhead_bytes,
+            1_300 - 1_060
+        );
+    }
+
+    #[test]
+    fn cached_bytes_are_what_the_page_cache_holds_of_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("resident.safetensors");
+        std::fs::write(&path, vec![7u8; 64 << 10]).unwrap();
+        // Just written: its pages are in the cache.
+        assert_eq!(cached_bytes(&path), 64 << 10);
+        assert_eq!(cached_bytes(&dir.path().join("missing")), 0);
+    }
 
     #[test]
     fn mmap_in_experts_gets_what_edgemoe_holds_with_that_many_slots() {

@@ -277,7 +277,7 @@ impl RunStats {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -293,7 +293,8 @@ mod tests {
         assert!(peak_rss_bytes() > 0);
     }
 
-    fn example() -> RunStats {
+    /// A complete statistics file (other modules' tests build on it).
+    pub(crate) fn example() -> RunStats {
         RunStats {
             documents: 2,
             tokens_generated: 17,
