@@ -172,6 +172,19 @@ fn assert_replay_matches_live(
         (live.hits, live.misses),
         "{policy}, prefetch {prefetch}, {slots} slots"
     );
+    // Each stack's share of them too, against the live run's per-layer counts.
+    for (stack, tally) in [("encoder", replayed.encoder), ("decoder", replayed.decoder)] {
+        let (accesses, hits) = live
+            .per_layer()
+            .iter()
+            .filter(|l| l.stack == stack)
+            .fold((0, 0), |(a, h), l| (a + l.accesses, h + l.hits));
+        assert_eq!(
+            (tally.hits, tally.hits + tally.misses),
+            (hits, accesses),
+            "{stack}: {policy}, prefetch {prefetch}, {slots} slots"
+        );
+    }
     // Belady bounds every demand-only replay of the same trace.
     let best = replay(&header, &events, Policy::Belady, slots, true).hits;
     for p in Policy::ONLINE {

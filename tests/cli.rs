@@ -1165,6 +1165,15 @@ fn closed_stdout_ends_quietly() {
         None,
     );
     assert!(out.status.success(), "{}", stderr(&out));
+    // The demo model's trace has both stacks: the table gives each one's hit ratios too.
+    let table = stdout(&run(&["replay", "--trace", trace.to_str().unwrap()], None));
+    for title in ["hit ratio", "decoder hit ratio", "encoder hit ratio"] {
+        assert_eq!(
+            table.lines().filter(|l| l.starts_with(title)).count(),
+            1,
+            "{title}: {table}"
+        );
+    }
     let decoder = common::convert_to(&common::fixture("tiny-olmoe"), &dir.path().join("d"));
     let (doc, data, trace) = (
         doc.to_str().unwrap(),
@@ -1486,6 +1495,20 @@ fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
     );
     let json: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(json["lru"]["3"]["hits"], 3, "{json}");
+    // Each stack's share: all of this decoder-only trace's accesses are the decoder's.
+    let at = &json["lru"]["3"];
+    assert_eq!(
+        [
+            &at["decoder_hits"],
+            &at["decoder_misses"],
+            &at["encoder_hits"],
+            &at["encoder_misses"]
+        ],
+        [3, 3, 0, 0],
+        "{json}"
+    );
+    // A table by stack only where both stacks have accesses.
+    assert!(!text.contains("decoder hit ratio"), "{text}");
 
     let bundle = demo_bundle(dir.path());
     let out = run(

@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::policy::{Policy, PolicyState};
 use super::table::{AccessContext, Outcome, SlotTable};
 use super::trace::{AccessKind, TraceEvent, TraceHeader};
-use crate::ids::ExpertId;
+use crate::ids::{ExpertId, Stack};
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct ReplayResult {
@@ -22,21 +22,62 @@ pub struct ReplayResult {
     pub hits: u64,
     pub misses: u64,
     pub hit_ratio: f64,
+    /// The demand accesses of each stack: a policy can trade one stack's hits for the other's
+    /// (the decoder's misses stall decoding, the encoder's the prompt).
+    pub encoder: StackTally,
+    pub decoder: StackTally,
 }
 
-impl ReplayResult {
-    fn new(policy: Policy, slots: usize, hits: u64, misses: u64) -> Self {
-        let total = hits + misses;
+/// Hits and misses of one stack's demand accesses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StackTally {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl StackTally {
+    /// Hits over accesses; `None` without accesses.
+    pub fn hit_ratio(&self) -> Option<f64> {
+        let total = self.hits + self.misses;
+        (total > 0).then(|| self.hits as f64 / total as f64)
+    }
+}
+
+/// Counts demand outcomes by stack.
+#[derive(Debug, Clone, Copy, Default)]
+struct Tally {
+    encoder: StackTally,
+    decoder: StackTally,
+}
+
+impl Tally {
+    fn count(&mut self, id: ExpertId, hit: bool) {
+        let stack = match id.stack {
+            Stack::Encoder => &mut self.encoder,
+            Stack::Decoder => &mut self.decoder,
+        };
+        if hit {
+            stack.hits += 1;
+        } else {
+            stack.misses += 1;
+        }
+    }
+
+    fn result(self, policy: Policy, slots: usize) -> ReplayResult {
+        let hits = self.encoder.hits + self.decoder.hits;
+        let total = hits + self.encoder.misses + self.decoder.misses;
         ReplayResult {
             policy,
             slots,
             hits,
-            misses,
+            misses: total - hits,
             hit_ratio: if total == 0 {
                 0.0
             } else {
                 hits as f64 / total as f64
             },
+            encoder: self.encoder,
+            decoder: self.decoder,
         }
     }
 }
@@ -65,7 +106,7 @@ pub fn replay(
     }
     let state = PolicyState::new(policy, header.layers.clone(), &header.seeds);
     let mut table = SlotTable::new(slots.min(distinct_experts(events).max(1)), state);
-    let (mut hits, mut misses) = (0, 0);
+    let mut tally = Tally::default();
     for event in events {
         let ctx = AccessContext {
             current: event.current.map(usize::from),
@@ -73,11 +114,14 @@ pub fn replay(
             pinned: &event.pinned,
         };
         match event.kind {
-            AccessKind::Demand => match table.demand(event.id(), &ctx) {
-                Some(Outcome::Hit { .. }) => hits += 1,
-                // Every slot pinned: the expert streams through without being cached.
-                Some(Outcome::Miss { .. }) | None => misses += 1,
-            },
+            AccessKind::Demand => {
+                let hit = match table.demand(event.id(), &ctx) {
+                    Some(Outcome::Hit { .. }) => true,
+                    // Every slot pinned: the expert streams through without being cached.
+                    Some(Outcome::Miss { .. }) | None => false,
+                };
+                tally.count(event.id(), hit);
+            }
             AccessKind::Prefetch if !demand_only => {
                 table.prefetch(event.id(), &ctx);
             }
@@ -87,7 +131,7 @@ pub fn replay(
             _ => {}
         }
     }
-    ReplayResult::new(policy, slots, hits, misses)
+    tally.result(policy, slots)
 }
 
 /// Belady's MIN on the demand accesses: on a miss with a full buffer, evict the expert whose
@@ -110,12 +154,11 @@ pub fn belady(events: &[TraceEvent], slots: usize) -> ReplayResult {
     let slots = slots.max(1);
     // Resident experts with the position of their next use.
     let mut resident: HashMap<ExpertId, usize> = HashMap::new();
-    let (mut hits, mut misses) = (0, 0);
+    let mut tally = Tally::default();
     for (t, id) in demands.iter().enumerate() {
-        if resident.contains_key(id) {
-            hits += 1;
-        } else {
-            misses += 1;
+        let hit = resident.contains_key(id);
+        tally.count(*id, hit);
+        if !hit {
             if resident.len() == slots {
                 let victim = *resident
                     .iter()
@@ -127,7 +170,7 @@ pub fn belady(events: &[TraceEvent], slots: usize) -> ReplayResult {
         }
         resident.insert(*id, next_use[t]);
     }
-    ReplayResult::new(Policy::Belady, slots, hits, misses)
+    tally.result(Policy::Belady, slots)
 }
 
 #[cfg(test)]
@@ -185,6 +228,34 @@ mod tests {
         assert_eq!(replay(&h, &skew, Policy::Lru, 2, false).hits, 2);
         // FIFO evicts A (inserted first) when C arrives.
         assert_eq!(replay(&h, &skew, Policy::Fifo, 2, false).hits, 2);
+    }
+
+    #[test]
+    fn hits_and_misses_are_told_apart_by_stack() {
+        // Encoder expert E, decoder experts A and B, then E and B again, with 2 slots. LRU: E,
+        // A, B miss (B evicts E), E misses (evicting A), B hits. Belady evicts A (never used
+        // again) for B: E's second access hits, and B's.
+        let encoder = |expert| TraceEvent {
+            stack: Stack::Encoder,
+            current: None,
+            ..demand(0, expert)
+        };
+        let events = vec![
+            encoder(0),
+            demand(0, 1),
+            demand(0, 2),
+            encoder(0),
+            demand(0, 2),
+        ];
+        let h = header();
+        let tally = |hits, misses| StackTally { hits, misses };
+        let lru = replay(&h, &events, Policy::Lru, 2, false);
+        assert_eq!((lru.encoder, lru.decoder), (tally(0, 2), tally(1, 2)));
+        assert_eq!((lru.hits, lru.misses), (1, 4));
+        let best = belady(&events, 2);
+        assert_eq!((best.encoder, best.decoder), (tally(1, 1), tally(1, 2)));
+        assert_eq!(best.encoder.hit_ratio(), Some(0.5));
+        assert_eq!(StackTally::default().hit_ratio(), None);
     }
 
     #[test]

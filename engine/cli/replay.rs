@@ -25,7 +25,8 @@ pub struct ReplayArgs {
     /// Ignore the trace's prefetch and cancel events (pure demand paging).
     #[arg(long)]
     demand_only: bool,
-    /// Print JSON (policy → slots → hit ratio, hits, misses) instead of a table.
+    /// Print JSON (policy → slots → hit ratio, hits, misses, and each stack's hits and misses)
+    /// instead of a table.
     #[arg(long)]
     json: bool,
     /// Draw hit ratio against buffer size per policy into an SVG file.
@@ -112,7 +113,9 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 })
                 .or_insert_with(|| serde_json::Value::Object(Default::default()));
             entry[r.slots.to_string()] = serde_json::json!({
-                "hit_ratio": r.hit_ratio, "hits": r.hits, "misses": r.misses
+                "hit_ratio": r.hit_ratio, "hits": r.hits, "misses": r.misses,
+                "encoder_hits": r.encoder.hits, "encoder_misses": r.encoder.misses,
+                "decoder_hits": r.decoder.hits, "decoder_misses": r.decoder.misses,
             });
         }
         println!("{}", serde_json::to_string_pretty(&by_policy)?);
@@ -126,17 +129,32 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             header.policy,
             if header.prefetch { "on" } else { "off" }
         );
-        print!("{:<20}", "hit ratio");
-        for slots in &args.slots {
-            print!("{:>9}", label(*slots));
-        }
-        println!();
-        for &policy in &policies {
-            print!("{:<20}", name(policy));
-            for r in results.iter().filter(|r| r.policy == policy) {
-                print!("{:>8.1}%", 100.0 * r.hit_ratio);
+        let table = |title: &str, ratio: &dyn Fn(&ReplayResult) -> Option<f64>| {
+            print!("{title:<20}");
+            for slots in &args.slots {
+                print!("{:>9}", label(*slots));
             }
             println!();
+            for &policy in &policies {
+                print!("{:<20}", name(policy));
+                for r in results.iter().filter(|r| r.policy == policy) {
+                    match ratio(r) {
+                        Some(x) => print!("{:>8.1}%", 100.0 * x),
+                        None => print!("{:>9}", "-"),
+                    }
+                }
+                println!();
+            }
+        };
+        table("hit ratio", &|r| Some(r.hit_ratio));
+        // Where both stacks have accesses, what each policy's hits are made of: a policy can
+        // keep the decoder's experts (decode stalls) at the encoder's expense (prompt stalls).
+        if results
+            .first()
+            .is_some_and(|r| r.encoder.hit_ratio().is_some() && r.decoder.hit_ratio().is_some())
+        {
+            table("decoder hit ratio", &|r| r.decoder.hit_ratio());
+            table("encoder hit ratio", &|r| r.encoder.hit_ratio());
         }
         if prefetched && policies.contains(&Policy::Belady) {
             println!(
