@@ -158,15 +158,13 @@ pub fn belady(events: &[TraceEvent], slots: usize) -> ReplayResult {
     for (t, id) in demands.iter().enumerate() {
         let hit = resident.contains_key(id);
         tally.count(*id, hit);
-        if !hit {
-            if resident.len() == slots {
-                let victim = *resident
-                    .iter()
-                    .max_by_key(|(_, &next)| next)
-                    .map(|(id, _)| id)
-                    .expect("full buffer");
-                resident.remove(&victim);
-            }
+        if !hit && resident.len() == slots {
+            let victim = *resident
+                .iter()
+                .max_by_key(|(_, &next)| next)
+                .map(|(id, _)| id)
+                .expect("full buffer");
+            resident.remove(&victim);
         }
         resident.insert(*id, next_use[t]);
     }
