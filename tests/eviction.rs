@@ -86,6 +86,8 @@ fn simulate(
     let mut last_pass = None;
     // Decoder steps of each document (the last one is being decoded).
     let mut documents: Vec<BTreeSet<u64>> = vec![BTreeSet::new()];
+    // Per document, the step (from 0) at which it first used each decoder expert.
+    let mut first_use: Vec<HashMap<ExpertId, usize>> = vec![HashMap::new()];
     let (mut hits, mut misses) = (0, 0);
     for (clock, &(id, step)) in demands.iter().enumerate() {
         let clock = clock as u64 + 1;
@@ -94,6 +96,7 @@ fn simulate(
                 && last_pass.is_some_and(|(_, st, _)| st == Stack::Decoder)
             {
                 documents.push(BTreeSet::new());
+                first_use.push(HashMap::new());
             }
             history
                 .entry((id.stack, id.layer))
@@ -109,6 +112,8 @@ fn simulate(
             .insert(id.expert);
         if id.stack == Stack::Decoder {
             documents.last_mut().unwrap().insert(step);
+            let at = documents.last().unwrap().len() - 1;
+            first_use.last_mut().unwrap().entry(id).or_insert(at);
         }
         *count.entry(id).or_default() += 1.0;
         let current = (id.stack == Stack::Decoder).then(|| index(id) as f64);
@@ -143,8 +148,17 @@ fn simulate(
                         }
                     }
                     Policy::Edgemoe => {
-                        -expected_reuse(x, id, current, layers, &history, &documents)
+                        -expected_reuse(x, id, current, layers, &history, &documents, None)
                     }
+                    Policy::EdgemoeDocs => -expected_reuse(
+                        x,
+                        id,
+                        current,
+                        layers,
+                        &history,
+                        &documents,
+                        Some(&first_use),
+                    ),
                     Policy::Belady => unreachable!(),
                 }
             };
@@ -166,7 +180,10 @@ fn simulate(
 /// `edgemoe`'s expected MoE-layer passes until `x` is demanded again, from the passes of its
 /// layer: the chance that the next pass demands it given whether the last one did, then rounds
 /// at a rate leaning on the "not demanded last time" chance. `now` is the expert being demanded,
-/// `current` the decoder MoE layer executing.
+/// `current` the decoder MoE layer executing. With `first_use` (`edgemoe-docs`), a decoder
+/// expert that finished documents used comes back at the step where documents first used it on
+/// average, in this document if that step is still to come and it has not been used here yet,
+/// else in the next, after as many documents as it skips on average, if that is sooner.
 fn expected_reuse(
     x: ExpertId,
     now: ExpertId,
@@ -174,6 +191,7 @@ fn expected_reuse(
     layers: &LayerMap,
     history: &HashMap<(Stack, u16), Vec<BTreeSet<u16>>>,
     documents: &[BTreeSet<u64>],
+    first_use: Option<&[HashMap<ExpertId, usize>]>,
 ) -> f64 {
     let index = |id: ExpertId| {
         layers
@@ -222,7 +240,31 @@ fn expected_reuse(
         (Stack::Encoder, Some(at), _) => ((e - at) + steps * s + i, e + steps * s),
         (Stack::Encoder, None, _) => ((steps - done).max(0.0) * s + i + 1.0, e + steps * s),
     };
-    until + period * (1.0 - first) / later
+    let by_passes = until + period * (1.0 - first) / later;
+    let finished = documents.len() - 1;
+    let Some(first_use) = first_use.filter(|_| x.stack == Stack::Decoder && finished > 0) else {
+        return by_passes;
+    };
+    let using: Vec<f64> = first_use
+        .iter()
+        .filter_map(|d| d.get(&x).map(|&at| at as f64))
+        .collect();
+    if using.is_empty() {
+        return by_passes;
+    }
+    let decoding = now.stack == Stack::Decoder;
+    let seen = finished as f64 + if decoding { 1.0 } else { 0.0 };
+    let share = (using.len() as f64 / seen).min(1.0);
+    let usual = using.iter().sum::<f64>() / using.len() as f64;
+    let step_now = if decoding { done - 1.0 } else { 0.0 };
+    let used_here = decoding && first_use.last().unwrap().contains_key(&x);
+    let to_its_step = if !used_here && usual >= step_now {
+        (usual - step_now) * s
+    } else {
+        (steps - step_now).max(1.0) * s - s + e + usual * s
+    };
+    let document = e + steps * s;
+    by_passes.min(until + to_its_step + document * (1.0 - share) / share)
 }
 
 /// A converted model with the documents (token ids) it is run on.

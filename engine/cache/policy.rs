@@ -12,6 +12,14 @@
 //!   with the next document's encoder pass: the passes left in this document (its decoder steps
 //!   estimated from the documents so far), then whole documents for an expert that not every
 //!   encoder pass uses. Chosen on held-out traces of two models (BENCHMARKS.md §12).
+//! - `edgemoe-docs`: `edgemoe` for the fewest reads per document rather than per decoded
+//!   token. Encoder experts start from the passes calibration counted (nearly every document
+//!   uses them), and a decoder expert that the run's finished documents used is also expected
+//!   at the step where they first used it on average, in this document or the next (the
+//!   sooner of that and the per-pass reading): some experts are used once in every document,
+//!   at its first step or the one that ends the summary, and the per-pass chances see them as
+//!   rare. Closer to Belady where most accesses are the encoder's (short outputs), at the cost
+//!   of more decoder misses per token (BENCHMARKS.md §12.4). Without an encoder it is `edgemoe`.
 //! - `edgemoe-fd`: the score as EdgeMoE writes it, `L = −f / d(i)` with the same `d` (evict the
 //!   highest), encoder experts at `f = 0` (evicted first). The default until issue 12: the raw
 //!   count `f` grows without bound while `d ≤ S`, so at larger buffers it kept rarely used
@@ -79,6 +87,8 @@ fn share(x: f64) -> f64 {
 pub enum Policy {
     #[serde(rename = "edgemoe")]
     Edgemoe,
+    #[serde(rename = "edgemoe-docs")]
+    EdgemoeDocs,
     #[serde(rename = "edgemoe-fd")]
     EdgemoeFd,
     #[serde(rename = "edgemoe-paper")]
@@ -95,8 +105,9 @@ pub enum Policy {
 
 impl Policy {
     /// Policies a live run can use.
-    pub const ONLINE: [Policy; 6] = [
+    pub const ONLINE: [Policy; 7] = [
         Policy::Edgemoe,
+        Policy::EdgemoeDocs,
         Policy::EdgemoeFd,
         Policy::EdgemoePaper,
         Policy::Lru,
@@ -107,6 +118,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Edgemoe => "edgemoe",
+            Policy::EdgemoeDocs => "edgemoe-docs",
             Policy::EdgemoeFd => "edgemoe-fd",
             Policy::EdgemoePaper => "edgemoe-paper",
             Policy::Lru => "lru",
@@ -129,6 +141,7 @@ impl FromStr for Policy {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "edgemoe" => Ok(Policy::Edgemoe),
+            "edgemoe-docs" => Ok(Policy::EdgemoeDocs),
             "edgemoe-fd" => Ok(Policy::EdgemoeFd),
             "edgemoe-paper" => Ok(Policy::EdgemoePaper),
             "lru" => Ok(Policy::Lru),
@@ -136,7 +149,7 @@ impl FromStr for Policy {
             "fifo" => Ok(Policy::Fifo),
             "belady" => Ok(Policy::Belady),
             other => Err(format!(
-                "unknown policy `{other}` (expected edgemoe, edgemoe-fd, edgemoe-paper, lru, lfu, fifo or belady)"
+                "unknown policy `{other}` (expected edgemoe, edgemoe-docs, edgemoe-fd, edgemoe-paper, lru, lfu, fifo or belady)"
             )),
         }
     }
@@ -231,6 +244,20 @@ struct Uses {
     last: Option<f64>,
 }
 
+/// How the run's documents used a decoder expert. Some are used once in nearly every
+/// document at the same step — the first, or the one that ends the summary (BENCHMARKS.md
+/// §12.4) — and come back with the next document as encoder experts do, while their share of
+/// passes (one step in a document) reads to the per-pass chances as a rarely picked expert.
+#[derive(Debug, Clone, Copy, Default)]
+struct DocumentUses {
+    /// Documents that used it, the one being decoded included.
+    documents: f64,
+    /// Over those documents, the sum of the step (from 0) of its first use.
+    first_steps: f64,
+    /// The last document that used it (counted by the documents finished before it).
+    last: Option<u64>,
+}
+
 /// Online state of a policy: access counts and passes (for `lfu` and the `edgemoe` scores), and
 /// where the run is.
 #[derive(Debug, Clone)]
@@ -243,6 +270,8 @@ pub struct PolicyState {
     uses: HashMap<ExpertId, Uses>,
     /// Passes of each MoE layer, by `(stack, block)` (seeded).
     passes: HashMap<(Stack, u16), f64>,
+    /// Documents of this run that used each decoder expert.
+    document_uses: HashMap<ExpertId, DocumentUses>,
     last: Option<Pass>,
     /// Step of the last decoder demand.
     last_decoder_step: Option<u64>,
@@ -268,7 +297,7 @@ impl PolicyState {
         let measured: HashMap<ExpertId, (f64, f64)> = seeds
             .passes
             .iter()
-            .filter(|(id, _, _)| id.stack == Stack::Decoder)
+            .filter(|(id, _, _)| id.stack == Stack::Decoder || policy == Policy::EdgemoeDocs)
             .map(|&(id, used, repeated)| {
                 let used = share(used);
                 (id, (used, share(repeated).max(used * used).min(used)))
@@ -299,6 +328,7 @@ impl PolicyState {
             frequency,
             uses,
             passes,
+            document_uses: HashMap::new(),
             last: None,
             last_decoder_step: None,
             documents: Documents {
@@ -330,6 +360,16 @@ impl PolicyState {
             self.last_decoder_step = Some(step);
         }
         self.last = Some(pass);
+        if id.stack == Stack::Decoder {
+            let document = self.documents.finished;
+            let step = self.documents.steps.saturating_sub(1) as f64;
+            let uses = self.document_uses.entry(id).or_default();
+            if uses.last != Some(document) {
+                uses.documents += 1.0;
+                uses.first_steps += step;
+                uses.last = Some(document);
+            }
+        }
         *self.frequency.entry(id).or_insert(0.0) += 1.0;
         let n = self.layer_passes(id);
         let uses = self.uses.entry(id).or_default();
@@ -397,7 +437,7 @@ impl PolicyState {
         victim: ExpertId,
         current: Option<usize>,
     ) -> Option<bool> {
-        if self.policy != Policy::Edgemoe {
+        if !matches!(self.policy, Policy::Edgemoe | Policy::EdgemoeDocs) {
             return None;
         }
         let first = probability.clamp(0.0, 1.0);
@@ -446,7 +486,13 @@ impl PolicyState {
                     (None, Some(now)) => (e - 1.0 - now as f64) + i + 1.0,
                     (None, None) => i + 1.0,
                 };
-                until + s * (1.0 - first) / later
+                let by_passes = until + s * (1.0 - first) / later;
+                match self.policy {
+                    Policy::EdgemoeDocs => self
+                        .reuse_by_documents(id, until, encoding)
+                        .map_or(by_passes, |by_documents| by_passes.min(by_documents)),
+                    _ => by_passes,
+                }
             }
             Stack::Encoder => {
                 let document = e + steps * s;
@@ -461,6 +507,43 @@ impl PolicyState {
                 until + document * (1.0 - first) / later
             }
         }
+    }
+
+    /// `edgemoe-docs`, a decoder expert that finished documents have used: MoE-layer passes until
+    /// its step in the next document that uses it — this document's, if its usual step is
+    /// still to come and this document has not used it yet. `until` is the passes until its
+    /// layer's next pass. `None` before a document has finished, or for an expert no document
+    /// has used.
+    fn reuse_by_documents(&self, id: ExpertId, until: f64, encoding: Option<usize>) -> Option<f64> {
+        let docs = &self.documents;
+        let uses = self
+            .document_uses
+            .get(&id)
+            .filter(|u| u.documents > 0.0 && docs.finished > 0)?;
+        let (e, s) = (
+            self.layers.encoder_layers() as f64,
+            self.layers.decoder_layers() as f64,
+        );
+        let decoding = docs.steps > 0 && encoding.is_none();
+        let seen = docs.finished as f64 + if decoding { 1.0 } else { 0.0 };
+        let share = (uses.documents / seen).min(1.0);
+        let usual_step = uses.first_steps / uses.documents;
+        let steps = docs.expected_steps();
+        let document = e + steps * s;
+        // Steps of this document before its layer's next pass.
+        let step_now = if decoding {
+            (docs.steps - 1) as f64
+        } else {
+            0.0
+        };
+        let used_here = uses.last == Some(docs.finished) && decoding;
+        let to_its_step = if !used_here && usual_step >= step_now {
+            (usual_step - step_now) * s
+        } else {
+            // The rest of this document, its next one's encoder, then its step there.
+            (steps - step_now).max(1.0) * s - s + e + usual_step * s
+        };
+        Some(until + to_its_step + document * (1.0 - share) / share)
     }
 
     /// `edgemoe-fd` and `edgemoe-paper`: `−f / d` (higher = evict first). `current` is the
@@ -506,7 +589,9 @@ impl PolicyState {
             Policy::Fifo => by(&|c| (c.inserted_at as f64, c.last_used)),
             Policy::Lfu => by(&|c| (self.frequency(c.expert), c.last_used)),
             // Evict the farthest expected reuse: minimise its negation.
-            Policy::Edgemoe => by(&|c| (-self.expected_reuse(c.expert, current), c.last_used)),
+            Policy::Edgemoe | Policy::EdgemoeDocs => {
+                by(&|c| (-self.expected_reuse(c.expert, current), c.last_used))
+            }
             // Evict the highest score: minimise its negation.
             Policy::EdgemoeFd => {
                 by(&|c| (-self.edgemoe_score(c.expert, current, false), c.last_used))
@@ -855,5 +940,78 @@ mod tests {
         // In the second document (9 steps so far) after a first of 1 step: (1 + 41) / 2 = 21.
         let second = run(Some(41.0), 2);
         assert_eq!(second.documents.expected_steps(), 21.0);
+    }
+
+    /// A decoder expert that every document uses once, at its first step: `edgemoe-docs` expects
+    /// it at the next document's first step; `edgemoe`'s per-pass chances see it as rare.
+    #[test]
+    fn edgemoe_docs_expects_a_once_per_document_expert_at_its_step() {
+        let enc = |layer, expert| ExpertId {
+            stack: Stack::Encoder,
+            layer,
+            expert,
+        };
+        let mut step = 0;
+        let mut run = |state: &mut PolicyState, documents: usize, steps_of_last: usize| {
+            for document in 0..documents {
+                for layer in 0..4 {
+                    state.record_demand(enc(layer, 0), step);
+                }
+                let steps = if document + 1 == documents {
+                    steps_of_last
+                } else {
+                    10
+                };
+                for at in 0..steps {
+                    step += 1;
+                    for layer in 0..4 {
+                        state.record_demand(dec(layer, 0), step);
+                    }
+                    if at == 0 {
+                        state.record_demand(dec(3, 1), step);
+                    }
+                    if at % 2 == 1 {
+                        state.record_demand(dec(1, 2), step);
+                    }
+                }
+            }
+        };
+        let states = [Policy::Edgemoe, Policy::EdgemoeDocs].map(|policy| {
+            let mut state = PolicyState::new(policy, layers(), &Seeds::default());
+            run(&mut state, 4, 6);
+            state
+        });
+        let [edgemoe, docs] = &states;
+        // Step 6 of the fourth document (from 0: 5), layer 3 executing: expert 1 was used at
+        // this document's first step. Next: the rest of this document (10 − 5 steps, this
+        // one's included, less this step's layer 3), the encoder (4 layers), then its layer 3
+        // at the first step: 16 + 4 + 4 passes.
+        assert_eq!(docs.expected_reuse(dec(3, 1), Some(3)), 24.0);
+        let by_passes = edgemoe.expected_reuse(dec(3, 1), Some(3));
+        assert!(by_passes > 30.0, "{by_passes}");
+        // The minimum of the two readings: never later than the per-pass one.
+        assert!(docs.expected_reuse(dec(3, 0), Some(3)) <= 4.0);
+        // The encoder's experts come back before it, in both.
+        for state in &states {
+            assert!(state.expected_reuse(enc(3, 0), Some(3)) < 24.0);
+        }
+        // While the next document's encoder runs (its last layer), it is 4 passes away, and
+        // edgemoe-docs keeps it over an expert that every other step uses (due at the second
+        // step, 6 passes away), which edgemoe keeps instead.
+        let [mut edgemoe, mut docs] = states;
+        for state in [&mut edgemoe, &mut docs] {
+            for layer in 0..4 {
+                state.record_demand(enc(layer, 0), 1_000);
+            }
+        }
+        assert_eq!(docs.expected_reuse(dec(3, 1), None), 4.0);
+        let candidates = [(0, dec(3, 1)), (1, dec(1, 2))].map(|(slot, expert)| Candidate {
+            slot,
+            expert,
+            inserted_at: 0,
+            last_used: 0,
+        });
+        assert_eq!(edgemoe.choose_victim(&candidates, None), 0);
+        assert_eq!(docs.choose_victim(&candidates, None), 1);
     }
 }

@@ -113,8 +113,8 @@ pub struct CacheArgs {
     /// Bundle of the same model with quantized experts, for io-qexp, q, q+p and q+p+c.
     #[arg(long, value_name = "BUNDLE")]
     quantized: Option<PathBuf>,
-    /// Eviction policy: edgemoe, edgemoe-fd, edgemoe-paper, lru, lfu or fifo (default: the profile's, else
-    /// edgemoe).
+    /// Eviction policy: edgemoe, edgemoe-docs, edgemoe-fd, edgemoe-paper, lru, lfu or fifo
+    /// (default: the profile's, else edgemoe).
     #[arg(long, value_parser = parse_online_policy)]
     policy: Option<Policy>,
     /// Do not prefetch: no I/O scheduler, no dictionary prefetch, no read/compute overlap.
