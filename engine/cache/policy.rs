@@ -509,11 +509,11 @@ impl PolicyState {
         }
     }
 
-    /// `edgemoe-docs`, a decoder expert that finished documents have used: MoE-layer passes until
-    /// its step in the next document that uses it — this document's, if its usual step is
-    /// still to come and this document has not used it yet. `until` is the passes until its
-    /// layer's next pass. `None` before a document has finished, or for an expert no document
-    /// has used.
+    /// `edgemoe-docs`, a decoder expert that finished documents have used: MoE-layer passes
+    /// until the step at which documents first used it on average — in this document if that
+    /// step is still to come and it has not been used here yet, else in the next — plus whole
+    /// documents for one that not every document uses. `until` is the passes until its layer's
+    /// next pass. `None` before a document has finished, or for an expert no document has used.
     fn reuse_by_documents(&self, id: ExpertId, until: f64, encoding: Option<usize>) -> Option<f64> {
         let docs = &self.documents;
         let uses = self
@@ -530,7 +530,7 @@ impl PolicyState {
         let usual_step = uses.first_steps / uses.documents;
         let steps = docs.expected_steps();
         let document = e + steps * s;
-        // Steps of this document before its layer's next pass.
+        // The step of this document being decoded (from 0); the first while the encoder runs.
         let step_now = if decoding {
             (docs.steps - 1) as f64
         } else {
