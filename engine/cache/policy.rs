@@ -270,7 +270,7 @@ pub struct PolicyState {
     uses: HashMap<ExpertId, Uses>,
     /// Passes of each MoE layer, by `(stack, block)` (seeded).
     passes: HashMap<(Stack, u16), f64>,
-    /// Documents of this run that used each decoder expert.
+    /// Documents of this run that used each decoder expert (`edgemoe-docs` only).
     document_uses: HashMap<ExpertId, DocumentUses>,
     last: Option<Pass>,
     /// Step of the last decoder demand.
@@ -360,7 +360,8 @@ impl PolicyState {
             self.last_decoder_step = Some(step);
         }
         self.last = Some(pass);
-        if id.stack == Stack::Decoder {
+        // Only `edgemoe-docs` reads them: the other policies skip the map on every demand.
+        if self.policy == Policy::EdgemoeDocs && id.stack == Stack::Decoder {
             let document = self.documents.finished;
             let step = self.documents.steps.saturating_sub(1) as f64;
             let uses = self.document_uses.entry(id).or_default();
@@ -516,10 +517,7 @@ impl PolicyState {
     /// next pass. `None` before a document has finished, or for an expert no document has used.
     fn reuse_by_documents(&self, id: ExpertId, until: f64, encoding: Option<usize>) -> Option<f64> {
         let docs = &self.documents;
-        let uses = self
-            .document_uses
-            .get(&id)
-            .filter(|u| u.documents > 0.0 && docs.finished > 0)?;
+        let uses = self.document_uses.get(&id).filter(|_| docs.finished > 0)?;
         let (e, s) = (
             self.layers.encoder_layers() as f64,
             self.layers.decoder_layers() as f64,
