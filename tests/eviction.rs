@@ -183,7 +183,8 @@ fn simulate(
 /// `current` the decoder MoE layer executing. With `first_use` (`edgemoe-docs`), a decoder
 /// expert that finished documents used comes back at the step where documents first used it on
 /// average, in this document if that step is still to come and it has not been used here yet,
-/// else in the next, after as many documents as it skips on average, if that is sooner.
+/// else in the next, after as many documents as it skips on average: if that is sooner, or
+/// whatever it is while the next document's encoder runs.
 fn expected_reuse(
     x: ExpertId,
     now: ExpertId,
@@ -264,7 +265,13 @@ fn expected_reuse(
         (steps - step_now).max(1.0) * s - s + e + usual * s
     };
     let document = e + steps * s;
-    by_passes.min(until + to_its_step + document * (1.0 - share) / share)
+    let by_documents = until + to_its_step + document * (1.0 - share) / share;
+    // While a new document's encoder runs, its decoder is read by the documents alone.
+    if encoding.is_some() {
+        by_documents
+    } else {
+        by_passes.min(by_documents)
+    }
 }
 
 /// A converted model with the documents (token ids) it is run on.

@@ -18,8 +18,11 @@
 //!   at the step where they first used it on average, in this document or the next (the
 //!   sooner of that and the per-pass reading): some experts are used once in every document,
 //!   at its first step or the one that ends the summary, and the per-pass chances see them as
-//!   rare. Closer to Belady where most accesses are the encoder's (short outputs), at the cost
-//!   of more decoder misses per token (BENCHMARKS.md §12.4). Without an encoder it is `edgemoe`.
+//!   rare. While a new document's encoder runs, a decoder expert that earlier documents used is
+//!   expected by their reading alone: whether the last document's decoder repeated it says
+//!   little of the next one's (BENCHMARKS.md §12.5). Closer to Belady where most accesses are
+//!   the encoder's (short outputs), at the cost of more decoder misses per token (BENCHMARKS.md
+//!   §12.4). Without an encoder it is `edgemoe`.
 //! - `edgemoe-fd`: the score as EdgeMoE writes it, `L = −f / d(i)` with the same `d` (evict the
 //!   highest), encoder experts at `f = 0` (evicted first). The default until issue 12: the raw
 //!   count `f` grows without bound while `d ≤ S`, so at larger buffers it kept rarely used
@@ -489,9 +492,14 @@ impl PolicyState {
                 };
                 let by_passes = until + s * (1.0 - first) / later;
                 match self.policy {
-                    Policy::EdgemoeDocs => self
-                        .reuse_by_documents(id, until, encoding)
-                        .map_or(by_passes, |by_documents| by_passes.min(by_documents)),
+                    Policy::EdgemoeDocs => match self.reuse_by_documents(id, until, encoding) {
+                        // A new document's encoder runs: its decoder has not started, and the
+                        // per-pass chances, whose repeats are steps of one document, say
+                        // nothing of whether it will use the expert. The documents do.
+                        Some(by_documents) if encoding.is_some() => by_documents,
+                        Some(by_documents) => by_passes.min(by_documents),
+                        None => by_passes,
+                    },
                     _ => by_passes,
                 }
             }
@@ -1011,5 +1019,61 @@ mod tests {
         });
         assert_eq!(edgemoe.choose_victim(&candidates, None), 0);
         assert_eq!(docs.choose_victim(&candidates, None), 1);
+    }
+
+    #[test]
+    fn edgemoe_docs_reads_a_new_documents_decoder_by_the_documents() {
+        let enc = |layer, expert| ExpertId {
+            stack: Stack::Encoder,
+            layer,
+            expert,
+        };
+        // Four documents of 10 steps; the last one's decoder also picks expert 3 of layer 2 at
+        // every step, the others never do. Then the fifth document's encoder runs.
+        let mut states = [Policy::Edgemoe, Policy::EdgemoeDocs]
+            .map(|policy| PolicyState::new(policy, layers(), &Seeds::default()));
+        for state in &mut states {
+            let mut step = 0;
+            for document in 0..5 {
+                for layer in 0..4 {
+                    state.record_demand(enc(layer, 0), step);
+                }
+                if document == 4 {
+                    break;
+                }
+                for _ in 0..10 {
+                    step += 1;
+                    for layer in 0..4 {
+                        state.record_demand(dec(layer, 0), step);
+                        if layer == 2 && document == 3 {
+                            state.record_demand(dec(2, 3), step);
+                        }
+                    }
+                }
+            }
+        }
+        let [edgemoe, docs] = &states;
+        // Its layer's next pass is 3 away (the decoder's layers 0, 1, 2). The per-pass reading
+        // expects it then or soon after: the last 9 passes after a use used it again.
+        let by_passes = edgemoe.expected_reuse(dec(2, 3), None);
+        assert!(by_passes < 10.0, "{by_passes}");
+        // By the documents, one in four uses it: 3 passes, then three documents of 4 + 10 × 4
+        // passes on average before one does.
+        assert_eq!(docs.expected_reuse(dec(2, 3), None), 135.0);
+        // Against the encoder's expert of its last layer, just used and due in the next
+        // document (1 + 40 + 3 passes), edgemoe keeps the decoder's expert, edgemoe-docs the
+        // encoder's.
+        let candidates = [(0, dec(2, 3)), (1, enc(3, 0))].map(|(slot, expert)| Candidate {
+            slot,
+            expert,
+            inserted_at: 0,
+            last_used: 0,
+        });
+        assert_eq!(edgemoe.choose_victim(&candidates, None), 1);
+        assert_eq!(docs.choose_victim(&candidates, None), 0);
+        // Once that document decodes, the per-pass reading counts again (the sooner of the two).
+        let [_, mut docs] = states;
+        docs.record_demand(dec(0, 0), 100);
+        assert!(docs.expected_reuse(dec(2, 3), Some(0)) < 10.0);
     }
 }
