@@ -28,7 +28,6 @@
 
 use std::sync::Mutex;
 
-use half::slice::HalfFloatSliceExt;
 use tch::{Device, Kind, Tensor};
 
 use super::kernels::gemm::{GemmActs, GemmRows, IntGemm, LANES};
@@ -179,28 +178,8 @@ impl<'a> MatrixRef<'a> {
                     *o = f32::from_le_bytes(*b);
                 }
             }
-            MatrixFormat::F16 => {
-                // SAFETY: any two bytes are an f16 (little-endian, as every supported target).
-                match unsafe { data.align_to::<half::f16>() } {
-                    ([], halves, []) => halves.convert_to_f32_slice(out),
-                    _ => {
-                        for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
-                            *o = half::f16::from_le_bytes(*b).to_f32();
-                        }
-                    }
-                }
-            }
-            MatrixFormat::Bf16 => {
-                // SAFETY: any two bytes are a bf16 (little-endian, as every supported target).
-                match unsafe { data.align_to::<half::bf16>() } {
-                    ([], halves, []) => halves.convert_to_f32_slice(out),
-                    _ => {
-                        for (o, b) in out.iter_mut().zip(data.as_chunks::<2>().0) {
-                            *o = half::bf16::from_le_bytes(*b).to_f32();
-                        }
-                    }
-                }
-            }
+            MatrixFormat::F16 => (kernels::best().widen_f16)(data, out),
+            MatrixFormat::Bf16 => (kernels::best().widen_bf16)(data, out),
         }
         Ok(())
     }
@@ -816,6 +795,38 @@ mod tests {
         MatrixFormat::Quant(QuantBits::Int4),
         MatrixFormat::Quant(QuantBits::Int2),
     ];
+
+    /// Every kernel set widens f16 and bf16 to f32 exactly as the scalar reference does (the
+    /// GEMM's tiles of 16-bit weights), on arbitrary bits — subnormals, infinities and NaNs
+    /// included — at lengths around each set's steps.
+    #[test]
+    fn every_kernel_set_widens_16_bit_floats_as_the_reference() {
+        let mut rng = Rng(29);
+        for len in [
+            0, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 1000,
+        ] {
+            let src = rng.bytes(len * 2);
+            for k in kernels::available() {
+                let widened: [(&str, kernels::Widen, kernels::Widen); 2] = [
+                    ("f16", k.widen_f16, kernels::scalar::widen_f16),
+                    ("bf16", k.widen_bf16, kernels::scalar::widen_bf16),
+                ];
+                for (format, widen, reference) in widened {
+                    let mut want = vec![0f32; len];
+                    reference(&src, &mut want);
+                    let mut got = vec![0.5f32; len];
+                    widen(&src, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                            "{} {format}, {len} values, value {i}: {g:e} against {w:e}",
+                            k.name
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// Whether [`matmul`] rounds `n` activation rows to INT8 blocks for weights of `format` (the
     /// integer GEMV and GEMM do).

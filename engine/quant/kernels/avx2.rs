@@ -100,6 +100,8 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    widen_f16: |src, out| unsafe { widen_f16(src, out) },
+    widen_bf16: |src, out| unsafe { widen_bf16(src, out) },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
@@ -122,6 +124,8 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    widen_f16: |src, out| unsafe { widen_f16(src, out) },
+    widen_bf16: |src, out| unsafe { widen_bf16(src, out) },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
@@ -537,7 +541,7 @@ unsafe fn dot_f16_rows_body<const N: usize, const BF16: bool>(
             let w = &row[s * 64..s * 64 + 64];
             for j in 0..4 {
                 let wv = if BF16 {
-                    widen_bf16(load128(&w[j * 16..]))
+                    widen_bf16x8(load128(&w[j * 16..]))
                 } else {
                     _mm256_cvtph_ps(load128(&w[j * 16..]))
                 };
@@ -635,12 +639,50 @@ fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     let head = x.len() / 32 * 32;
-    dot_half(row, x, |h| widen_bf16(h)) + reference::dot_bf16(&row[head * 2..], &x[head..])
+    dot_half(row, x, |h| widen_bf16x8(h)) + reference::dot_bf16(&row[head * 2..], &x[head..])
+}
+
+/// f16 values widened to f32 (`vcvtph2ps`, exact), 32 per step; the rest as the reference.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_f16(src: &[u8], out: &mut [f32]) {
+    widen_half(src, out, |h| _mm256_cvtph_ps(h), reference::widen_f16)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_bf16(src: &[u8], out: &mut [f32]) {
+    widen_half(src, out, |h| widen_bf16x8(h), reference::widen_bf16)
+}
+
+/// 16-bit floats to f32, 32 values (64 bytes) per step, widened 8 at a time by `widen`; the
+/// tail by `rest`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_half(
+    src: &[u8],
+    out: &mut [f32],
+    widen: impl Fn(__m128i) -> __m256,
+    rest: fn(&[u8], &mut [f32]),
+) {
+    assert_eq!(
+        src.len(),
+        out.len() * 2,
+        "16-bit floats for {} values",
+        out.len()
+    );
+    let (steps, _) = src.as_chunks::<64>();
+    let (head, tail) = out.split_at_mut(steps.len() * 32);
+    for (step, o) in steps.iter().zip(head.as_chunks_mut::<32>().0) {
+        for j in 0..4 {
+            let v = widen(load128(&step[j * 16..]));
+            // SAFETY: writes 8 floats at `8 j` of a 32-float array (unaligned store).
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(j * 8), v) };
+        }
+    }
+    rest(&src[head.len() * 2..], tail);
 }
 
 /// Eight bf16 values widened to f32 (exact: a bf16 is an f32's upper half).
 #[target_feature(enable = "avx2")]
-fn widen_bf16(h: __m128i) -> __m256 {
+fn widen_bf16x8(h: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
 }
 

@@ -48,6 +48,8 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f16: avx2::KERNELS.dot_f16,
     dot_bf16: avx2::KERNELS.dot_bf16,
     dot_f32: avx2::KERNELS.dot_f32,
+    widen_f16: avx2::KERNELS.widen_f16,
+    widen_bf16: avx2::KERNELS.widen_bf16,
     // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
     quantize_activations: |x, bits, codes, scales| unsafe {
         quantize_activations(x, bits, codes, scales)

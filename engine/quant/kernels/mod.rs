@@ -187,6 +187,10 @@ pub(crate) fn rows_per_pass(left: usize, most: usize) -> usize {
     }
 }
 
+/// 16-bit floats (little-endian bytes, two per value) widened to f32, exactly: a GEMM tile of
+/// f16 or bf16 weights.
+pub(crate) type Widen = fn(&[u8], &mut [f32]);
+
 /// Codes in [`block_order`] and one scale per block of an f32 activation row.
 pub(crate) type QuantizeActivations = fn(&[f32], QuantBits, &mut [i8], &mut [f32]);
 
@@ -197,6 +201,8 @@ pub(crate) struct Kernels {
     pub dot_f16: DotFloat,
     pub dot_bf16: DotFloat,
     pub dot_f32: DotFloat,
+    pub widen_f16: Widen,
+    pub widen_bf16: Widen,
     /// Rounds an activation row to INT8 blocks: [`scalar::quantize_activations`]'s codes and
     /// scales, however computed.
     pub quantize_activations: QuantizeActivations,
@@ -220,6 +226,8 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dot_f16: scalar::dot_f16,
     dot_bf16: scalar::dot_bf16,
     dot_f32: scalar::dot_f32,
+    widen_f16: scalar::widen_f16,
+    widen_bf16: scalar::widen_bf16,
     quantize_activations: scalar::quantize_activations,
     paired: false,
     dot_quant4: None,

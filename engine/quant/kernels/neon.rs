@@ -113,6 +113,12 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    widen_f16: |src, out| unsafe {
+        widen_half(src, out, |h| f16x4_to_f32(h), reference::widen_f16)
+    },
+    widen_bf16: |src, out| unsafe {
+        widen_half(src, out, |h| bf16x4_to_f32(h), reference::widen_bf16)
+    },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
@@ -128,6 +134,12 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
+    widen_f16: |src, out| unsafe {
+        widen_half(src, out, |h| f16x4_to_f32(h), reference::widen_f16)
+    },
+    widen_bf16: |src, out| unsafe {
+        widen_half(src, out, |h| bf16x4_to_f32(h), reference::widen_bf16)
+    },
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
@@ -274,6 +286,36 @@ fn f16x4_to_f32(h: uint16x4_t) -> float32x4_t {
 #[target_feature(enable = "neon")]
 fn bf16x4_to_f32(h: uint16x4_t) -> float32x4_t {
     vreinterpretq_f32_u32(vshll_n_u16::<16>(h))
+}
+
+/// 16-bit floats to f32, 16 values (32 bytes) per step, widened 4 at a time by `widen`; the
+/// tail by `rest`.
+#[target_feature(enable = "neon")]
+fn widen_half(
+    src: &[u8],
+    out: &mut [f32],
+    widen: impl Fn(uint16x4_t) -> float32x4_t,
+    rest: fn(&[u8], &mut [f32]),
+) {
+    assert_eq!(
+        src.len(),
+        out.len() * 2,
+        "16-bit floats for {} values",
+        out.len()
+    );
+    let (steps, _) = src.as_chunks::<32>();
+    let (head, tail) = out.split_at_mut(steps.len() * 16);
+    for (step, o) in steps.iter().zip(head.as_chunks_mut::<16>().0) {
+        for j in 0..4 {
+            // SAFETY: 8 bytes read at `8 j` of a 32-byte array, 4 floats written at `4 j` of a
+            // 16-float array; no alignment requirement.
+            unsafe {
+                let h = vld1_u16(step[j * 8..j * 8 + 8].as_ptr().cast());
+                vst1q_f32(o.as_mut_ptr().add(j * 4), widen(h));
+            }
+        }
+    }
+    rest(&src[head.len() * 2..], tail);
 }
 
 #[target_feature(enable = "neon")]
