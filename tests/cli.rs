@@ -1165,15 +1165,34 @@ fn closed_stdout_ends_quietly() {
         None,
     );
     assert!(out.status.success(), "{}", stderr(&out));
-    // The demo model's trace has both stacks: the table gives each one's hit ratios too.
+    // The demo model's trace has both stacks: the table gives each one's hit ratios too, and
+    // the misses per document (one document here).
     let table = stdout(&run(&["replay", "--trace", trace.to_str().unwrap()], None));
-    for title in ["hit ratio", "decoder hit ratio", "encoder hit ratio"] {
+    for title in [
+        "hit ratio",
+        "decoder hit ratio",
+        "encoder hit ratio",
+        "demand misses",
+        "misses / document",
+    ] {
         assert_eq!(
             table.lines().filter(|l| l.starts_with(title)).count(),
             1,
             "{title}: {table}"
         );
     }
+    let json = stdout(&run(
+        &["replay", "--trace", trace.to_str().unwrap(), "--json"],
+        None,
+    ));
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let lru = &json["lru"]["2"];
+    assert!(lru["misses"].as_u64().unwrap() > 0, "{json}");
+    assert_eq!(
+        lru["misses_per_document"].as_f64(),
+        lru["misses"].as_f64(),
+        "{json}"
+    );
     let decoder = common::convert_to(&common::fixture("tiny-olmoe"), &dir.path().join("d"));
     let (doc, data, trace) = (
         doc.to_str().unwrap(),
@@ -1507,8 +1526,11 @@ fn huge_numbers_on_the_command_line_allocate_nothing_unbounded() {
         [3, 3, 0, 0],
         "{json}"
     );
-    // A table by stack only where both stacks have accesses.
+    // A table by stack, and misses per document, only where both stacks have accesses.
     assert!(!text.contains("decoder hit ratio"), "{text}");
+    assert!(!text.contains("misses / document"), "{text}");
+    assert!(text.contains("demand misses"), "{text}");
+    assert!(at.get("misses_per_document").is_none(), "{json}");
 
     let bundle = demo_bundle(dir.path());
     let out = run(

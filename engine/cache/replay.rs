@@ -92,6 +92,21 @@ pub fn distinct_experts(events: &[TraceEvent]) -> usize {
         .len()
 }
 
+/// Documents of an encoder-decoder trace: its encoder passes that do not follow another
+/// encoder demand (each document's encoder runs once, then its decoder). 0 for a trace without
+/// encoder demands, whose prompts cannot be told apart from their decoding.
+pub fn documents(events: &[TraceEvent]) -> u64 {
+    let mut last = None;
+    let mut documents = 0;
+    for event in events.iter().filter(|e| e.kind == AccessKind::Demand) {
+        if event.stack == Stack::Encoder && last != Some(Stack::Encoder) {
+            documents += 1;
+        }
+        last = Some(event.stack);
+    }
+    documents
+}
+
 /// Replays `events` through `policy` with `slots` slots (a table of at most
 /// [`distinct_experts`] slots is built: more would behave the same).
 pub fn replay(
@@ -254,6 +269,30 @@ mod tests {
         assert_eq!((best.encoder, best.decoder), (tally(1, 1), tally(1, 2)));
         assert_eq!(best.encoder.hit_ratio(), Some(0.5));
         assert_eq!(StackTally::default().hit_ratio(), None);
+    }
+
+    #[test]
+    fn documents_are_the_encoder_passes_that_follow_decoding() {
+        let encoder = |layer, expert| TraceEvent {
+            stack: Stack::Encoder,
+            current: None,
+            ..demand(layer, expert)
+        };
+        let prefetch = |layer, expert| TraceEvent {
+            kind: AccessKind::Prefetch,
+            ..encoder(layer, expert)
+        };
+        // Two encoder layers then decoding, three times; a prefetch of an encoder expert
+        // during decoding starts no document.
+        let mut events = Vec::new();
+        for _ in 0..3 {
+            events.extend([encoder(0, 0), encoder(0, 1), encoder(1, 0)]);
+            events.extend([demand(0, 0), prefetch(0, 0), demand(1, 1), demand(0, 0)]);
+        }
+        assert_eq!(documents(&events), 3);
+        // Without an encoder, prompts cannot be told apart from decoding.
+        assert_eq!(documents(&[demand(0, 0), demand(1, 0)]), 0);
+        assert_eq!(documents(&[]), 0);
     }
 
     #[test]

@@ -25,8 +25,8 @@ pub struct ReplayArgs {
     /// Ignore the trace's prefetch and cancel events (pure demand paging).
     #[arg(long)]
     demand_only: bool,
-    /// Print JSON (policy → slots → hit ratio, hits, misses, and each stack's hits and misses)
-    /// instead of a table.
+    /// Print JSON (policy → slots → hit ratio, hits, misses, each stack's hits and misses, and
+    /// for an encoder-decoder trace the misses per document) instead of a table.
     #[arg(long)]
     json: bool,
     /// Draw hit ratio against buffer size per policy into an SVG file.
@@ -81,6 +81,11 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             format!("{slots} slots")
         }
     };
+    // Per document, misses do not depend on how long the outputs are; hit ratios do (the
+    // decoder's later steps mostly hit, BENCHMARKS.md §12.5).
+    let documents = edgemoe::cache::replay::documents(&events);
+    let per_document =
+        |r: &ReplayResult| (documents > 0).then(|| r.misses as f64 / documents as f64);
     let mut results: Vec<ReplayResult> = Vec::new();
     for &policy in &policies {
         for &slots in &args.slots {
@@ -117,6 +122,9 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 "encoder_hits": r.encoder.hits, "encoder_misses": r.encoder.misses,
                 "decoder_hits": r.decoder.hits, "decoder_misses": r.decoder.misses,
             });
+            if let Some(m) = per_document(r) {
+                entry[r.slots.to_string()]["misses_per_document"] = serde_json::json!(m);
+            }
         }
         println!("{}", serde_json::to_string_pretty(&by_policy)?);
     } else {
@@ -129,7 +137,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             header.policy,
             if header.prefetch { "on" } else { "off" }
         );
-        let table = |title: &str, ratio: &dyn Fn(&ReplayResult) -> Option<f64>| {
+        let table = |title: &str, cell: &dyn Fn(&ReplayResult) -> Option<String>| {
             print!("{title:<20}");
             for slots in &args.slots {
                 print!("{:>9}", label(*slots));
@@ -138,23 +146,27 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             for &policy in &policies {
                 print!("{:<20}", name(policy));
                 for r in results.iter().filter(|r| r.policy == policy) {
-                    match ratio(r) {
-                        Some(x) => print!("{:>8.1}%", 100.0 * x),
-                        None => print!("{:>9}", "-"),
-                    }
+                    print!("{:>9}", cell(r).unwrap_or_else(|| "-".into()));
                 }
                 println!();
             }
         };
-        table("hit ratio", &|r| Some(r.hit_ratio));
+        let percent = |x: Option<f64>| x.map(|x| format!("{:.1}%", 100.0 * x));
+        table("hit ratio", &|r| percent(Some(r.hit_ratio)));
         // Where both stacks have accesses, what each policy's hits are made of: a policy can
         // keep the decoder's experts (decode stalls) at the encoder's expense (prompt stalls).
         if results
             .first()
             .is_some_and(|r| r.encoder.hit_ratio().is_some() && r.decoder.hit_ratio().is_some())
         {
-            table("decoder hit ratio", &|r| r.decoder.hit_ratio());
-            table("encoder hit ratio", &|r| r.encoder.hit_ratio());
+            table("decoder hit ratio", &|r| percent(r.decoder.hit_ratio()));
+            table("encoder hit ratio", &|r| percent(r.encoder.hit_ratio()));
+        }
+        table("demand misses", &|r| Some(r.misses.to_string()));
+        if documents > 0 {
+            table("misses / document", &|r| {
+                per_document(r).map(|m| format!("{m:.1}"))
+            });
         }
         if prefetched && policies.contains(&Policy::Belady) {
             println!(
