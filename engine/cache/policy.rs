@@ -20,7 +20,8 @@
 //!   at its first step or the one that ends the summary, and the per-pass chances see them as
 //!   rare. While a new document's encoder runs, a decoder expert that earlier documents used is
 //!   expected by their reading alone: whether the last document's decoder repeated it says
-//!   little of the next one's (BENCHMARKS.md §12.5). Closer to Belady where most accesses are
+//!   little of the next one's (BENCHMARKS.md §12.5). A predictor's chance for a speculative
+//!   load is about the new document, and still counts. Closer to Belady where most accesses are
 //!   the encoder's (short outputs), at the cost of more decoder misses per token (BENCHMARKS.md
 //!   §12.4). Without an encoder it is `edgemoe`.
 //! - `edgemoe-fd`: the score as EdgeMoE writes it, `L = −f / d(i)` with the same `d` (evict the
@@ -424,7 +425,7 @@ impl PolicyState {
     /// first). `current` is the decoder MoE layer executing (`None` while the encoder runs).
     fn expected_reuse(&self, id: ExpertId, current: Option<usize>) -> f64 {
         let (first, later) = self.chances(id);
-        self.expected_reuse_with(id, current, first, later)
+        self.expected_reuse_with(id, current, first, later, false)
     }
 
     /// `edgemoe` only (`None` for the other policies, which have no such measure): whether a
@@ -450,18 +451,20 @@ impl PolicyState {
             (_, later) if later > 0.0 => later,
             _ => first,
         };
-        let prediction = self.expected_reuse_with(predicted, current, first, later);
+        let prediction = self.expected_reuse_with(predicted, current, first, later, true);
         Some(prediction < self.expected_reuse(victim, current))
     }
 
     /// [`Self::expected_reuse`] with the chances `first` (next pass of the layer) and `later`
-    /// (each pass after it) given.
+    /// (each pass after it) given. `predicted`: `first` is a predictor's for this very pass,
+    /// not the policy's own reading of earlier passes, so it counts in a new document too.
     fn expected_reuse_with(
         &self,
         id: ExpertId,
         current: Option<usize>,
         first: f64,
         later: f64,
+        predicted: bool,
     ) -> f64 {
         let Some(i) = self.layers.moe_index(id.stack, id.layer as usize) else {
             return f64::INFINITY;
@@ -496,7 +499,7 @@ impl PolicyState {
                         // A new document's encoder runs: its decoder has not started, and the
                         // per-pass chances, whose repeats are steps of one document, say
                         // nothing of whether it will use the expert. The documents do.
-                        Some(by_documents) if encoding.is_some() => by_documents,
+                        Some(by_documents) if encoding.is_some() && !predicted => by_documents,
                         Some(by_documents) => by_passes.min(by_documents),
                         None => by_passes,
                     },
@@ -1071,6 +1074,16 @@ mod tests {
         });
         assert_eq!(edgemoe.choose_victim(&candidates, None), 1);
         assert_eq!(docs.choose_victim(&candidates, None), 0);
+        // A predictor's chance for its layer's next pass still counts: a prediction of it at
+        // 0.9 is worth the encoder expert's slot (the policy's own chain is not used for it).
+        assert_eq!(
+            docs.speculation_outranks(dec(2, 3), 0.9, enc(3, 0), None),
+            Some(true)
+        );
+        assert_eq!(
+            docs.speculation_outranks(dec(2, 3), 0.01, enc(3, 0), None),
+            Some(false)
+        );
         // Once that document decodes, the per-pass reading counts again (the sooner of the two).
         let [_, mut docs] = states;
         docs.record_demand(dec(0, 0), 100);
