@@ -95,7 +95,8 @@ pub(crate) fn supported() -> bool {
 
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx2",
-    // SAFETY (the three float kernels): this set is only chosen when `supported()` said yes.
+    // SAFETY (the float kernels and widenings): this set is only chosen when `supported()`
+    // said yes.
     dot_quant,
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
@@ -119,7 +120,8 @@ pub(crate) fn vnni_supported() -> bool {
 /// [`KERNELS`] with the integer rows on `vpdpbusd`.
 pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     name: "avx2+vnni",
-    // SAFETY (the three float kernels): this set is only chosen when `vnni_supported()` said yes.
+    // SAFETY (the float kernels and widenings): this set is only chosen when
+    // `vnni_supported()` said yes.
     dot_quant: dot_quant_vnni,
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },

@@ -138,8 +138,8 @@ pub(crate) fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'
     })
 }
 
-/// The reference [`super::DotFloat`] for f16 rows.
-/// `src`'s f16 values as f32 (`src` holds `2 × out.len()` bytes).
+/// `src`'s f16 values as f32 (`src` holds `2 × out.len()` bytes): the reference
+/// [`super::Widen`].
 pub(crate) fn widen_f16(src: &[u8], out: &mut [f32]) {
     assert_eq!(
         src.len(),
@@ -165,6 +165,7 @@ pub(crate) fn widen_bf16(src: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The reference [`super::DotFloat`] for f16 rows.
 pub(crate) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
     row.as_chunks::<2>()
         .0
