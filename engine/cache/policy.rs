@@ -624,6 +624,19 @@ mod tests {
         }
     }
 
+    /// Candidates in the given slots, inserted and last used at the same time (no tie-break).
+    fn untouched(experts: &[(usize, ExpertId)]) -> Vec<Candidate> {
+        experts
+            .iter()
+            .map(|&(slot, expert)| Candidate {
+                slot,
+                expert,
+                inserted_at: 0,
+                last_used: 0,
+            })
+            .collect()
+    }
+
     fn layers() -> LayerMap {
         LayerMap {
             encoder_moe_blocks: vec![0, 1, 2, 3],
@@ -770,13 +783,7 @@ mod tests {
         assert!((state.expected_reuse(dec(1, 2), Some(1)) - want).abs() < 1e-9);
         // Never demanded: evicted first.
         assert_eq!(state.expected_reuse(dec(2, 0), Some(1)), f64::INFINITY);
-        let cands =
-            [(0, dec(0, 0)), (1, dec(1, 1)), (2, dec(1, 2))].map(|(slot, expert)| Candidate {
-                slot,
-                expert,
-                inserted_at: 0,
-                last_used: 0,
-            });
+        let cands = untouched(&[(0, dec(0, 0)), (1, dec(1, 1)), (2, dec(1, 2))]);
         assert_eq!(state.choose_victim(&cands, Some(1)), 1);
     }
 
@@ -805,12 +812,7 @@ mod tests {
             passes: vec![(other, 0.1, 0.01), (unusual, 0.05, 0.049)],
             ..Seeds::default()
         };
-        let cands = [(0, other), (1, unusual)].map(|(slot, expert)| Candidate {
-            slot,
-            expert,
-            inserted_at: 0,
-            last_used: 0,
-        });
+        let cands = untouched(&[(0, other), (1, unusual)]);
         let mut seen = Vec::new();
         for seeds in [&independent, &measured] {
             let mut state = PolicyState::new(Policy::Edgemoe, layers(), seeds);
@@ -938,12 +940,7 @@ mod tests {
         // Back in a few rounds: later than the encoder without the prior, sooner with it.
         let decoder = with.expected_reuse(dec(1, 0), Some(3));
         assert!(5.0 < decoder && decoder < 40.0 * 4.0, "{decoder}");
-        let cands = [(0, enc(0, 0)), (1, dec(1, 0))].map(|(slot, expert)| Candidate {
-            slot,
-            expert,
-            inserted_at: 0,
-            last_used: 0,
-        });
+        let cands = untouched(&[(0, enc(0, 0)), (1, dec(1, 0))]);
         assert_eq!(without.choose_victim(&cands, Some(3)), 1);
         assert_eq!(with.choose_victim(&cands, Some(3)), 0);
         // In the second document (9 steps so far) after a first of 1 step: (1 + 41) / 2 = 21.
@@ -1014,12 +1011,7 @@ mod tests {
             }
         }
         assert_eq!(docs.expected_reuse(dec(3, 1), None), 4.0);
-        let candidates = [(0, dec(3, 1)), (1, dec(1, 2))].map(|(slot, expert)| Candidate {
-            slot,
-            expert,
-            inserted_at: 0,
-            last_used: 0,
-        });
+        let candidates = untouched(&[(0, dec(3, 1)), (1, dec(1, 2))]);
         assert_eq!(edgemoe.choose_victim(&candidates, None), 0);
         assert_eq!(docs.choose_victim(&candidates, None), 1);
     }
@@ -1066,12 +1058,7 @@ mod tests {
         // Against the encoder's expert of its last layer, just used and due in the next
         // document (1 + 40 + 3 passes), edgemoe keeps the decoder's expert, edgemoe-docs the
         // encoder's.
-        let candidates = [(0, dec(2, 3)), (1, enc(3, 0))].map(|(slot, expert)| Candidate {
-            slot,
-            expert,
-            inserted_at: 0,
-            last_used: 0,
-        });
+        let candidates = untouched(&[(0, dec(2, 3)), (1, enc(3, 0))]);
         assert_eq!(edgemoe.choose_victim(&candidates, None), 1);
         assert_eq!(docs.choose_victim(&candidates, None), 0);
         // A predictor's chance for its layer's next pass still counts: a prediction of it at

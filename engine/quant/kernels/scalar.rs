@@ -141,27 +141,23 @@ pub(crate) fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'
 /// `src`'s f16 values as f32 (`src` holds `2 × out.len()` bytes): the reference
 /// [`super::Widen`].
 pub(crate) fn widen_f16(src: &[u8], out: &mut [f32]) {
-    assert_eq!(
-        src.len(),
-        out.len() * 2,
-        "f16 bytes for {} values",
-        out.len()
-    );
-    for (o, b) in out.iter_mut().zip(src.as_chunks::<2>().0) {
-        *o = half::f16::from_le_bytes(*b).to_f32();
-    }
+    widen(src, out, |b| half::f16::from_le_bytes(b).to_f32());
 }
 
 /// `src`'s bf16 values as f32 (`src` holds `2 × out.len()` bytes).
 pub(crate) fn widen_bf16(src: &[u8], out: &mut [f32]) {
+    widen(src, out, |b| half::bf16::from_le_bytes(b).to_f32());
+}
+
+fn widen(src: &[u8], out: &mut [f32], value: impl Fn([u8; 2]) -> f32) {
     assert_eq!(
         src.len(),
         out.len() * 2,
-        "bf16 bytes for {} values",
+        "16-bit floats for {} values",
         out.len()
     );
     for (o, b) in out.iter_mut().zip(src.as_chunks::<2>().0) {
-        *o = half::bf16::from_le_bytes(*b).to_f32();
+        *o = value(*b);
     }
 }
 
