@@ -508,6 +508,8 @@ fn bench_smoke_two_modes_with_emulated_storage() {
             "6",
             "--max-new-tokens",
             "8",
+            "--policy",
+            "lru",
             "--out",
             out.to_str().unwrap(),
         ],
@@ -537,6 +539,9 @@ fn bench_smoke_two_modes_with_emulated_storage() {
     }
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
     assert!(md.contains("process overhead"), "{md}");
+    // `--policy` replaces the profile's (rpi5-nvme's is edgemoe) in every run.
+    assert!(md.contains("policy lru"), "{md}");
+    assert!(rows.iter().all(|r| r["policy"] == "lru"), "{rows:?}");
     for key in [
         "mode",
         "profile",
@@ -758,6 +763,12 @@ fn every_usage_error_exits_2_before_any_work() {
             &["turbo"],
         ),
         (&["replay", "--trace", t, "--policy", "lru,mru"], &["mru"]),
+        (
+            &[
+                "bench", "--model", m, "--data", d, "--policy", "belady", "--out", "o",
+            ],
+            &["belady", "replay"],
+        ),
         (&["replay", "--trace", t, "--slots", "4,0"], &["--slots"]),
         (
             &["convert", "--hf", m, "--out", "o", "--bits", "3"],

@@ -26,6 +26,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::bench::charts::{plot_latency_bars, plot_latency_vs_budget, plot_sample_cdf};
 use crate::bench::report::{BenchReport, BenchRow, FailedRun};
 use crate::bundle::{EXPERTS_FILE, RESIDENT_FILE};
+use crate::cache::Policy;
 use crate::config::profile::DeviceProfile;
 use crate::error::{Error, Result};
 use crate::generation::report::RunStats;
@@ -63,6 +64,8 @@ pub struct BenchOptions {
     pub limit: usize,
     /// Device profile (built-in name or TOML file), passed on to every run.
     pub profile: String,
+    /// Eviction policy of every run in place of the profile's (`None`: the profile's).
+    pub policy: Option<Policy>,
     pub modes: Vec<Mode>,
     pub sizes: BenchSizes,
     pub storage: StorageMode,
@@ -238,6 +241,7 @@ fn row(run: &BenchRun, profile: &str, budget_bytes: u64, stats: &RunStats) -> Be
     BenchRow {
         mode: run.mode.name().into(),
         profile: profile.into(),
+        policy: stats.policy.clone(),
         budget_bytes,
         buffer_experts: run.buffer_experts,
         buffer_slots: stats.buffer_slots,
@@ -370,6 +374,9 @@ fn summarize_command(
         .arg("-q");
     if let Some(n) = options.max_new_tokens {
         command.arg("--max-new-tokens").arg(n.to_string());
+    }
+    if let Some(policy) = options.policy {
+        command.arg("--policy").arg(policy.name());
     }
     command
 }
@@ -597,11 +604,12 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         )
     };
     let mut markdown = format!(
-        "{} documents from {}, profile {} ({}), storage {:?}{}{}\n\n{}",
+        "{} documents from {}, profile {} ({}), policy {}, storage {:?}{}{}\n\n{}",
         documents.len(),
         options.data.display(),
         profile.name,
         profile.description,
+        options.policy.unwrap_or(profile.policy),
         options.storage,
         confinement,
         cgroup_note

@@ -12,6 +12,8 @@ use crate::units::format_bytes;
 pub struct BenchRow {
     pub mode: String,
     pub profile: String,
+    /// The eviction policy the run used (the profile's, or `bench --policy`).
+    pub policy: String,
     pub budget_bytes: u64,
     pub buffer_experts: Option<usize>,
     pub buffer_slots: usize,

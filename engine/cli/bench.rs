@@ -9,7 +9,10 @@ use edgemoe::bench::matrix::{run_bench, BenchOptions, BenchSizes};
 use edgemoe::runtime::modes::Mode;
 use edgemoe::store::StorageMode;
 
-use super::args::{parse_budget, parse_count, parse_profile, parse_storage, DEFAULT_BUNDLE};
+use super::args::{
+    parse_budget, parse_count, parse_online_policy, parse_profile, parse_storage, DEFAULT_BUNDLE,
+};
+use edgemoe::cache::Policy;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -29,6 +32,10 @@ pub struct BenchArgs {
     /// Device profile (built-in name or TOML file).
     #[arg(long, value_name = "NAME|FILE", default_value = "rpi4-sd", value_parser = parse_profile)]
     profile: String,
+    /// Eviction policy of every run, in place of the profile's: edgemoe, edgemoe-docs,
+    /// edgemoe-fd, edgemoe-paper, lru, lfu or fifo.
+    #[arg(long, value_parser = parse_online_policy)]
+    policy: Option<Policy>,
     /// Modes to compare.
     #[arg(
         long,
@@ -82,6 +89,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         data: args.data,
         limit: args.limit,
         profile: args.profile,
+        policy: args.policy,
         modes: args.modes,
         sizes,
         storage: args.storage,
