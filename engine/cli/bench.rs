@@ -6,13 +6,13 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use edgemoe::bench::matrix::{run_bench, BenchOptions, BenchSizes};
+use edgemoe::cache::Policy;
 use edgemoe::runtime::modes::Mode;
 use edgemoe::store::StorageMode;
 
 use super::args::{
     parse_budget, parse_count, parse_online_policy, parse_profile, parse_storage, DEFAULT_BUNDLE,
 };
-use edgemoe::cache::Policy;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
