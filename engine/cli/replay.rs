@@ -117,14 +117,15 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                     other => other.name(),
                 })
                 .or_insert_with(|| serde_json::Value::Object(Default::default()));
-            entry[r.slots.to_string()] = serde_json::json!({
+            let mut cell = serde_json::json!({
                 "hit_ratio": r.hit_ratio, "hits": r.hits, "misses": r.misses,
                 "encoder_hits": r.encoder.hits, "encoder_misses": r.encoder.misses,
                 "decoder_hits": r.decoder.hits, "decoder_misses": r.decoder.misses,
             });
             if let Some(m) = per_document(r) {
-                entry[r.slots.to_string()]["misses_per_document"] = serde_json::json!(m);
+                cell["misses_per_document"] = m.into();
             }
+            entry[r.slots.to_string()] = cell;
         }
         println!("{}", serde_json::to_string_pretty(&by_policy)?);
     } else {
