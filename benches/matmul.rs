@@ -20,7 +20,10 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use edgemoe::quant::matrix::{int_gemm_kernel, matmul, matmul_kernel, MatrixFormat, PackedMatrix};
+use edgemoe::quant::matrix::{
+    float_gemm_kernel, int_gemm_kernel, matmul, matmul_kernel, MatrixFormat, PackedMatrix,
+    FLOAT_GEMM_MAX_ROWS,
+};
 use edgemoe::quant::QuantBits;
 
 const FORMATS: [MatrixFormat; 6] = [
@@ -107,6 +110,10 @@ fn stream() {
     println!(
         "integer GEMM: {}",
         int_gemm_kernel().unwrap_or("none (dequantized tiles + libtorch's f32 GEMM)")
+    );
+    println!(
+        "float GEMM (up to {FLOAT_GEMM_MAX_ROWS} rows): {}",
+        float_gemm_kernel().unwrap_or("none (tiles + libtorch's f32 GEMM)")
     );
 }
 

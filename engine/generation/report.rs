@@ -39,6 +39,11 @@ pub struct KernelStats {
     /// products take dequantized tiles and libtorch's f32 GEMM (the key itself is required).
     #[serde(deserialize_with = "Option::deserialize")]
     pub int_gemm: Option<String>,
+    /// The float GEMM of many-row products on float weights (and on integer weights without an
+    /// integer GEMM), up to `FLOAT_GEMM_MAX_ROWS` activation rows: `avx512`; `null` where there
+    /// is none and such products take libtorch's f32 GEMM on tiles (the key itself is required).
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub float_gemm: Option<String>,
 }
 
 impl KernelStats {
@@ -47,6 +52,7 @@ impl KernelStats {
         KernelStats {
             gemv: crate::quant::matrix::matmul_kernel().into(),
             int_gemm: crate::quant::matrix::int_gemm_kernel().map(Into::into),
+            float_gemm: crate::quant::matrix::float_gemm_kernel().map(Into::into),
         }
     }
 }
@@ -372,6 +378,7 @@ pub(crate) mod tests {
             kernels: KernelStats {
                 gemv: "neon-dotprod".into(),
                 int_gemm: Some("neon-i8mm".into()),
+                float_gemm: Some("avx512".into()),
             },
             output_ids: vec![vec![1, 2, 3], vec![]],
             samples: vec![SampleStats {
@@ -453,6 +460,7 @@ pub(crate) mod tests {
             kernels: KernelStats {
                 gemv: "neon".into(),
                 int_gemm: None,
+                float_gemm: None,
             },
             ..example()
         };
@@ -469,6 +477,7 @@ pub(crate) mod tests {
             (&["prefetch"][..], "useful"),
             (&["dictionary"][..], "top1_accuracy"),
             (&["kernels"][..], "int_gemm"),
+            (&["kernels"][..], "float_gemm"),
         ] {
             let mut json = serde_json::to_value(example()).unwrap();
             let mut object = &mut json;

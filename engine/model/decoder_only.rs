@@ -33,7 +33,7 @@ use crate::model::provider::ExpertProvider;
 use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
-use crate::quant::matrix::TILE_ROWS;
+use crate::quant::matrix::gemm_scratch_values;
 use crate::quant::parallel::compute_threads;
 
 fn layer_prefix(layer: usize) -> String {
@@ -617,24 +617,27 @@ impl DecoderOnlyModel {
         let d = n(spec.hidden_size);
         let (q, kv) = (n(spec.q_dim()), n(spec.kv_dim()));
         let heads = n(spec.num_heads);
-        let widest_ff = n(spec
+        let widest_ff = spec
             .intermediate_size
             .max(spec.expert_intermediate_size)
-            .max(spec.shared_expert_intermediate_size.unwrap_or(0)));
+            .max(spec.shared_expert_intermediate_size.unwrap_or(0));
         // Prefill: hidden states and residuals, q/k/v/out (k and v repeated to every head), scores
         // (+ softmax copy), the mask, the FF intermediates (gate, up, product) and the MoE output.
         let prefill = prompt * (S(5) * d + S(2) * q + S(2) * kv + S(2) * heads * n(spec.head_dim))
             + S(3) * heads * prompt * total
             + prompt * total
-            + S(3) * prompt * widest_ff
+            + S(3) * prompt * n(widest_ff)
             + prompt * (n(spec.top_k) + S(1)) * d;
         // The KV cache of every layer, up to the last token (and the copy a concatenation makes).
         let caches = S(2) * n(spec.num_layers) * S(2) * kv * total;
         // Logits, their softmax and sort for sampling.
         let logits = S(4) * n(spec.vocab_size);
-        // The GEMM path's tile of dequantized weight rows per compute thread (experts are never
-        // expanded whole).
-        let expert_scratch = n(TILE_ROWS * compute_threads()) * d.max(widest_ff);
+        // The GEMM paths' tiles of dequantized weight rows per compute thread and their
+        // activations (experts are never expanded whole).
+        let expert_scratch = n(gemm_scratch_values(
+            spec.hidden_size.max(widest_ff),
+            compute_threads(),
+        ));
         (f * (prefill + caches + logits + expert_scratch)).0
     }
 }

@@ -17,7 +17,7 @@ use crate::model::provider::ExpertProvider;
 use crate::weights::{Stored, WeightFiles};
 
 use super::RunShape;
-use crate::quant::matrix::TILE_ROWS;
+use crate::quant::matrix::gemm_scratch_values;
 use crate::quant::parallel::compute_threads;
 
 /// HF name of a block's FF sub-layer prefix, e.g. `decoder.block.3.layer.2`.
@@ -625,9 +625,12 @@ impl SwitchModel {
         let encoder = src * (S(4) * d + S(4) * inner + d_ff) + S(3) * heads * src * src;
         // Logits and log-probabilities of every beam, plus the top-k workspace.
         let logits = S(3) * beams * n(spec.vocab_size);
-        // The GEMM path's tile of dequantized weight rows per compute thread (experts are never
-        // expanded whole).
-        let expert_scratch = n(TILE_ROWS * compute_threads()) * d.max(d_ff);
+        // The GEMM paths' tiles of dequantized weight rows per compute thread and their
+        // activations (experts are never expanded whole).
+        let expert_scratch = n(gemm_scratch_values(
+            spec.d_model.max(spec.d_ff),
+            compute_threads(),
+        ));
         (f * (encoder + logits + expert_scratch) + S(self.decoder_cache_bytes(run))).0
     }
 

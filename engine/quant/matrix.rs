@@ -30,6 +30,7 @@ use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
+use super::kernels::float_gemm::{FloatActs, FloatGemm, GROUP, HALF, PANEL};
 use super::kernels::gemm::{GemmActs, GemmRows, IntGemm, LANES};
 use super::kernels::{self, Kernels, QuantRow, BLOCK};
 use super::parallel;
@@ -40,6 +41,9 @@ use crate::memory::PageBytes;
 /// Activation rows from which the GEMM path (tile dequantization + libtorch GEMM) is taken.
 /// Below it, the GEMV kernels (measured in BENCHMARKS.md §9).
 pub const GEMM_MIN_ROWS: usize = 8;
+/// Activation rows up to which the float GEMM ([`kernels::float_gemm`]) is taken where the CPU
+/// has one; above it, libtorch's GEMM on tiles is faster (BENCHMARKS.md §9.18).
+pub const FLOAT_GEMM_MAX_ROWS: usize = 128;
 /// Weight rows dequantized per GEMM tile.
 pub const TILE_ROWS: usize = 128;
 /// Weight rows per parallel GEMV task.
@@ -424,6 +428,9 @@ pub fn matmul(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<
             gemm_int(x, n, w, bits, int, out);
             return Ok(());
         }
+        if let (true, Some(float)) = (n <= FLOAT_GEMM_MAX_ROWS, kernels::float_gemm()) {
+            return gemm_float(x, n, w, float, out);
+        }
         return gemm(x, n, w, out);
     }
     gemv(x, n, w, out, kernels::best())
@@ -501,6 +508,113 @@ fn products_by_tile(
             }
         })
     });
+}
+
+/// Weight rows per task of the float GEMM (whole panels): a task's rows, widened where they
+/// are not f32 (576 KiB at 3,072 columns), stay in a core's L2 cache while every group of
+/// activations passes over them.
+const FLOAT_TASK_ROWS: usize = 8 * PANEL;
+/// Columns per block of the float GEMM: one group's activations for a block (24 KiB) stay in
+/// the L1 data cache while every panel of the task uses them.
+const FLOAT_BLOCK_COLS: usize = 192;
+
+/// The float GEMM path ([`kernels::float_gemm`]): activations transposed into groups once,
+/// then tasks of [`FLOAT_TASK_ROWS`] weight rows spread over the compute threads. A task widens
+/// its rows where they are not f32 (f32 rows are used where they lie), then for each group of
+/// activation rows runs the micro-kernel over every panel, a block of [`FLOAT_BLOCK_COLS`]
+/// columns at a time (the sums carried from block to block), and writes its own columns of
+/// `out`. Every output is one chain of FMAs over its whole row, so blocks, tasks and threads
+/// change nothing.
+pub(crate) fn gemm_float(
+    x: &[f32],
+    n: usize,
+    w: MatrixRef<'_>,
+    kernel: &FloatGemm,
+    out: &mut [f32],
+) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
+    let in_place = w.format == MatrixFormat::F32 && (w.data.as_ptr() as usize).is_multiple_of(4);
+    FLOAT_ACTS.with_borrow_mut(|acts| {
+        (kernel.prepare_acts)(x, n, cols, acts);
+        let acts = &*acts;
+        let tasks = rows.div_ceil(FLOAT_TASK_ROWS);
+        // An address, not a reference: each task writes its own columns.
+        let out_at = out.as_mut_ptr() as usize;
+        let failure = Mutex::new(None);
+        parallel::for_each_task(tasks, &|t| {
+            let (start, end) = (t * FLOAT_TASK_ROWS, ((t + 1) * FLOAT_TASK_ROWS).min(rows));
+            let height = end - start;
+            let run = |scratch: &mut FloatScratch| -> Result<()> {
+                let FloatScratch {
+                    tile,
+                    sums,
+                    rows_out,
+                } = scratch;
+                let weights: &[f32] = if in_place {
+                    let bytes = &w.data[start * cols * 4..end * cols * 4];
+                    // SAFETY: 4-byte aligned (checked above), whole f32 values.
+                    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 4) }
+                } else {
+                    tile.resize(height * cols, 0.0);
+                    w.dequantize_rows(start, end, tile)?;
+                    tile
+                };
+                rows_out.resize(GROUP * height, 0.0);
+                let padded = height.div_ceil(PANEL) * PANEL;
+                sums.clear();
+                sums.resize(acts.groups * padded * GROUP, 0.0);
+                // Column blocks outermost: a block of the task's rows stays in cache while
+                // every group of activations passes over it.
+                for first in (0..cols).step_by(FLOAT_BLOCK_COLS) {
+                    let len = FLOAT_BLOCK_COLS.min(cols - first);
+                    for (g, sums) in sums.chunks_exact_mut(padded * GROUP).enumerate() {
+                        let (group, lanes) = (&acts.group(g)[first * GROUP..], acts.lanes(g));
+                        // A group of at most half a vector's rows takes two panels per call.
+                        let rows_per_call = if lanes <= HALF { 2 * PANEL } else { PANEL };
+                        for (p, sums) in sums.chunks_mut(rows_per_call * GROUP).enumerate() {
+                            let panel = &weights[p * rows_per_call * cols + first..];
+                            let panel_rows = rows_per_call.min(height - p * rows_per_call);
+                            (kernel.panel)(panel, panel_rows, cols, len, group, lanes, sums);
+                        }
+                    }
+                }
+                for (g, sums) in sums.chunks_exact(padded * GROUP).enumerate() {
+                    let lanes = acts.lanes(g);
+                    (kernel.write_sums)(sums, height, lanes, rows_out, height);
+                    for (lane, src) in rows_out.chunks_exact(height).take(lanes).enumerate() {
+                        let i = g * GROUP + lane;
+                        // SAFETY: `out` is `[n, rows]` (checked by `matmul`) and outlives every
+                        // task (for_each_task returns after all of them); columns `start..end`
+                        // belong to this task alone.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                (out_at as *mut f32).add(i * rows + start),
+                                height,
+                            )
+                        };
+                        dst.copy_from_slice(src);
+                    }
+                }
+                Ok(())
+            };
+            if let Err(e) = FLOAT_SCRATCH.with_borrow_mut(run) {
+                *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+            }
+        });
+        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    })
+}
+
+/// A compute thread's float GEMM task: its rows widened, the sums of one group of activation
+/// rows, and those sums as rows of the product.
+#[derive(Default)]
+struct FloatScratch {
+    tile: Vec<f32>,
+    sums: Vec<f32>,
+    rows_out: Vec<f32>,
 }
 
 /// A compute thread's integer GEMM tile: unpacked codes, their block biases and the products.
@@ -737,6 +851,9 @@ thread_local! {
     /// A compute thread's dequantized GEMM tile (at most [`TILE_ROWS`] × the widest matrix).
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     static INT_SCRATCH: std::cell::RefCell<IntScratch> = std::cell::RefCell::default();
+    static FLOAT_SCRATCH: std::cell::RefCell<FloatScratch> = std::cell::RefCell::default();
+    /// The calling thread's transposed activations of a float GEMM (the helpers read them).
+    static FLOAT_ACTS: std::cell::RefCell<FloatActs> = std::cell::RefCell::default();
     /// The calling thread's prepared activations of an integer GEMM (the helpers read them).
     static ACTS: std::cell::RefCell<GemmActs> = std::cell::RefCell::default();
 }
@@ -751,6 +868,22 @@ pub fn matmul_kernel() -> &'static str {
 /// (dequantized tiles and libtorch's f32 GEMM).
 pub fn int_gemm_kernel() -> Option<&'static str> {
     kernels::int_gemm().map(|k| k.name)
+}
+
+/// f32 values the GEMM paths keep for products with rows of up to `widest` values on
+/// `threads` compute threads: each thread's tile of dequantized rows for libtorch's GEMM and
+/// its task of widened rows for the float GEMM, and the float GEMM's transposed activations
+/// (on the calling thread).
+pub fn gemm_scratch_values(widest: usize, threads: usize) -> usize {
+    (TILE_ROWS + FLOAT_TASK_ROWS)
+        .saturating_mul(threads)
+        .saturating_add(FLOAT_GEMM_MAX_ROWS.next_multiple_of(GROUP))
+        .saturating_mul(widest)
+}
+
+/// The float GEMM this CPU uses (`"avx512"`), or `None` (tiles and libtorch's f32 GEMM).
+pub fn float_gemm_kernel() -> Option<&'static str> {
+    kernels::float_gemm().map(|k| k.name)
 }
 
 #[cfg(test)]
@@ -1185,11 +1318,119 @@ mod tests {
         assert!(same, "{} n={n} ({path})", w.view().format().name());
     }
 
-    /// The GEMM runs in tiles of [`TILE_ROWS`] weight rows spread over the compute threads, and
-    /// gives exactly what one libtorch GEMM per tile gives on one thread: tiles land in their
-    /// own columns, and nothing depends on which thread ran which tile (so no output depends on
-    /// `--threads`). Uneven last tile; one, a few and many activation rows. Integer formats
-    /// on a CPU with an integer GEMM give the scalar integer GEMM over the whole matrix.
+    /// Every float GEMM kernel this CPU has gives the scalar reference's results bit for bit:
+    /// the activations' layout (groups full, partial and of a single row), the micro-kernel
+    /// (every panel height on whole and half groups, sums continued from what `out` holds,
+    /// rows wider than the columns taken, blocks of no column, of one and of a few) and the
+    /// sums written back (partial vectors of rows, one lane to a whole group, and nothing
+    /// written outside its rows).
+    #[test]
+    fn float_gemm_kernels_give_the_reference_bit_for_bit() {
+        use crate::quant::kernels::float_gemm::{self as fgemm, FloatActs};
+        let kernels = kernels::float_gemms();
+        if kernels.is_empty() {
+            eprintln!("no float GEMM kernel on this CPU: nothing to compare");
+        }
+        let same = |a: &[f32], b: &[f32]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        for kernel in kernels {
+            let mut rng = Rng(41);
+            for (n, cols) in [
+                (1, 5),
+                (8, 200),
+                (20, 33),
+                (37, 64),
+                (50, 16),
+                (64, 3),
+                (5, 0),
+            ] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 4.0).collect();
+                let (mut want, mut got) = (FloatActs::default(), FloatActs::default());
+                fgemm::prepare_acts(&x, n, cols, &mut want);
+                got.values = vec![f32::NAN; 7];
+                (kernel.prepare_acts)(&x, n, cols, &mut got);
+                assert!(
+                    same(&got.values, &want.values),
+                    "{} acts n={n}",
+                    kernel.name
+                );
+                assert_eq!(
+                    (got.rows, got.groups, got.cols),
+                    (n, n.div_ceil(GROUP), cols)
+                );
+            }
+            for (lanes, most) in [
+                (GROUP, PANEL),
+                (20, PANEL),
+                (HALF, 2 * PANEL),
+                (3, 2 * PANEL),
+            ] {
+                for rows in 1..=most {
+                    for (stride, cols) in [(40, 37), (9, 1), (300, 257), (8, 0)] {
+                        let w: Vec<f32> = (0..rows * stride).map(|_| rng.uniform()).collect();
+                        let acts: Vec<f32> = (0..cols * GROUP).map(|_| rng.uniform()).collect();
+                        let start: Vec<f32> = (0..rows * GROUP).map(|_| rng.uniform()).collect();
+                        let (mut want, mut got) = (start.clone(), start.clone());
+                        fgemm::panel(&w, rows, stride, cols, &acts, lanes, &mut want);
+                        (kernel.panel)(&w, rows, stride, cols, &acts, lanes, &mut got);
+                        assert!(
+                            same(&got, &want),
+                            "{} panel: {rows} rows, {lanes} lanes, {cols} columns",
+                            kernel.name
+                        );
+                    }
+                }
+            }
+            for (rows, lanes, stride) in [
+                (1, 1, 1),
+                (15, 32, 20),
+                (16, 9, 16),
+                (17, 32, 50),
+                (48, 16, 48),
+            ] {
+                let sums: Vec<f32> = (0..rows * GROUP).map(|_| rng.uniform()).collect();
+                let len = lanes * stride + 3;
+                let (mut want, mut got) = (vec![-7.0f32; len], vec![-7.0f32; len]);
+                fgemm::write_sums(&sums, rows, lanes, &mut want, stride);
+                (kernel.write_sums)(&sums, rows, lanes, &mut got, stride);
+                assert!(
+                    same(&got, &want),
+                    "{} sums: {rows} rows, {lanes} lanes",
+                    kernel.name
+                );
+            }
+        }
+    }
+
+    /// `x · wᵀ` as the float GEMM defines it: each output one chain of FMAs over its whole row,
+    /// in column order, from zero (no tiles, no threads).
+    fn fma_chains_whole(x: &[f32], n: usize, w: &MatrixRef<'_>) -> Vec<f32> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut whole = vec![0f32; rows * cols];
+        w.dequantize_rows(0, rows, &mut whole).unwrap();
+        let mut out = vec![0f32; n * rows];
+        for (xs, out) in x.chunks_exact(cols).zip(out.chunks_exact_mut(rows)) {
+            for (o, ws) in out.iter_mut().zip(whole.chunks_exact(cols)) {
+                *o = xs
+                    .iter()
+                    .zip(ws)
+                    .fold(0f32, |sum, (&a, &b)| a.mul_add(b, sum));
+            }
+        }
+        out
+    }
+
+    /// The GEMM paths spread their work over the compute threads and give exactly what one
+    /// thread computing the whole product gives, so no output depends on `--threads`:
+    /// - the float GEMM (up to [`FLOAT_GEMM_MAX_ROWS`] activation rows, where the CPU has one):
+    ///   one FMA chain per output over its whole row, whatever the tasks, panels and column
+    ///   blocks (uneven last task, panel and block; a group of a few rows, of more than half a
+    ///   group, and one full group with a partial one);
+    /// - libtorch's GEMM in tiles of [`TILE_ROWS`] weight rows: one libtorch GEMM per tile on
+    ///   one thread, each tile in its own columns (uneven last tile);
+    /// - integer formats on a CPU with an integer GEMM: the scalar integer GEMM over the whole
+    ///   matrix.
     #[test]
     fn gemm_tiles_give_one_threads_tile_products_bit_for_bit() {
         // libtorch on one thread here too, as the CLI sets it and every compute thread does:
@@ -1210,10 +1451,22 @@ mod tests {
                 }
                 continue;
             }
+            if kernels::float_gemm().is_some() {
+                for n in [GEMM_MIN_ROWS, 17, 37, FLOAT_GEMM_MAX_ROWS] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
+                    let want = fma_chains_whole(&x, n, &w.view());
+                    assert_matmul_gives(&x, n, &w, &want, "float GEMM");
+                }
+            }
             let mut whole = vec![0f32; rows * cols];
             w.view().dequantize_rows(0, rows, &mut whole).unwrap();
             let whole = Tensor::from_slice(&whole).view([rows as i64, cols as i64]);
-            for n in [GEMM_MIN_ROWS, 37] {
+            let tiled: &[usize] = if kernels::float_gemm().is_some() {
+                &[FLOAT_GEMM_MAX_ROWS + 1, 150]
+            } else {
+                &[GEMM_MIN_ROWS, 37]
+            };
+            for &n in tiled {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
                 let xt = Tensor::from_slice(&x).view([n as i64, cols as i64]);
                 let tiles: Vec<Tensor> = (0..rows)

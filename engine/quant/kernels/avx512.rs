@@ -9,6 +9,7 @@
 
 use std::arch::x86_64::*;
 
+use super::float_gemm::{self, FloatActs, FloatGemm, GROUP, HALF};
 use super::gemm::{self, GemmActs, GemmRows, IntGemm, LANES};
 use super::{avx2, scalar, Kernels, QuantRow, BLOCK};
 use crate::quant::QuantBits;
@@ -32,6 +33,158 @@ pub(crate) static INT_GEMM: IntGemm = IntGemm {
     // SAFETY: this kernel is only chosen when `supported()` said yes.
     run: |w, x, out| unsafe { gemm_quant(w, x, out) },
 };
+
+/// Whether this CPU runs [`FLOAT_GEMM`].
+pub(crate) fn float_gemm_supported() -> bool {
+    is_x86_feature_detected!("avx512f")
+}
+
+/// The float GEMM of [`super::float_gemm`] on 512-bit FMAs; activations laid out and sums
+/// written back with gathers.
+pub(crate) static FLOAT_GEMM: FloatGemm = FloatGemm {
+    name: "avx512",
+    // SAFETY: this kernel is only chosen when `float_gemm_supported()` said yes.
+    prepare_acts: |x, n, cols, acts| unsafe { prepare_float_acts(x, n, cols, acts) },
+    panel: |w, rows, stride, cols, acts, lanes, out| {
+        float_gemm::check_operands(w, rows, stride, cols, acts, lanes, out);
+        // SAFETY (every arm): this kernel is only chosen when `float_gemm_supported()` said
+        // yes; the operands hold what each reads and writes (checked above).
+        unsafe {
+            match (lanes <= HALF, rows) {
+                (false, 1) => float_panel::<1, 2>(w, stride, cols, acts, out),
+                (false, 2) => float_panel::<2, 2>(w, stride, cols, acts, out),
+                (false, 3) => float_panel::<3, 2>(w, stride, cols, acts, out),
+                (false, 4) => float_panel::<4, 2>(w, stride, cols, acts, out),
+                (false, 5) => float_panel::<5, 2>(w, stride, cols, acts, out),
+                (false, _) => float_panel::<6, 2>(w, stride, cols, acts, out),
+                (true, 1) => float_panel::<1, 1>(w, stride, cols, acts, out),
+                (true, 2) => float_panel::<2, 1>(w, stride, cols, acts, out),
+                (true, 3) => float_panel::<3, 1>(w, stride, cols, acts, out),
+                (true, 4) => float_panel::<4, 1>(w, stride, cols, acts, out),
+                (true, 5) => float_panel::<5, 1>(w, stride, cols, acts, out),
+                (true, 6) => float_panel::<6, 1>(w, stride, cols, acts, out),
+                (true, 7) => float_panel::<7, 1>(w, stride, cols, acts, out),
+                (true, 8) => float_panel::<8, 1>(w, stride, cols, acts, out),
+                (true, 9) => float_panel::<9, 1>(w, stride, cols, acts, out),
+                (true, 10) => float_panel::<10, 1>(w, stride, cols, acts, out),
+                (true, 11) => float_panel::<11, 1>(w, stride, cols, acts, out),
+                (true, _) => float_panel::<12, 1>(w, stride, cols, acts, out),
+            }
+        }
+    },
+    write_sums: |sums, rows, lanes, out, stride| {
+        float_gemm::check_sums(sums, rows, lanes, out, stride);
+        // SAFETY: this kernel is only chosen when `float_gemm_supported()` said yes; the
+        // operands hold what it reads and writes (checked above).
+        unsafe { write_float_sums(sums, rows, lanes, out, stride) }
+    },
+};
+
+/// The lanes `0..n` of a 16-lane mask.
+fn first_lanes(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
+/// [`float_gemm::PrepareFloatActs`]: per group and column, the 32 rows' values gathered into
+/// two vectors (rows past the last masked off, so never read, and left zero).
+#[target_feature(enable = "avx512f")]
+fn prepare_float_acts(x: &[f32], n: usize, cols: usize, acts: &mut FloatActs) {
+    acts.reset(n, cols);
+    assert!(x.len() >= n * cols && cols * GROUP < i32::MAX as usize);
+    let step = _mm512_set1_epi32(cols as i32);
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let low = _mm512_mullo_epi32(lanes, step);
+    let high = _mm512_mullo_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(16)), step);
+    for g in 0..acts.groups {
+        let rows = acts.lanes(g);
+        let (mask_low, mask_high) = (first_lanes(rows), first_lanes(rows.saturating_sub(16)));
+        let base = x[g * GROUP * cols..].as_ptr();
+        let dst = acts.values[g * cols * GROUP..].as_mut_ptr();
+        for c in 0..cols {
+            // SAFETY: the unmasked lanes read rows `g × 32 + lane < n`, column `c < cols`, of
+            // `x` (length asserted); the stores write column `c` of group `g`, which `reset`
+            // sized.
+            unsafe {
+                let zero = _mm512_setzero_ps();
+                let v0 = _mm512_mask_i32gather_ps::<4>(zero, mask_low, low, base.add(c));
+                let v1 = _mm512_mask_i32gather_ps::<4>(zero, mask_high, high, base.add(c));
+                _mm512_storeu_ps(dst.add(c * GROUP), v0);
+                _mm512_storeu_ps(dst.add(c * GROUP + 16), v1);
+            }
+        }
+    }
+}
+
+/// `R` weight rows × `16 V` activation rows of a group (see [`float_gemm`]): per column, the
+/// group's `V` vectors and one broadcast per row, `V × R` FMAs into sums held in registers from
+/// `out` back to `out`. The caller checked the operands ([`float_gemm::check_operands`]).
+#[target_feature(enable = "avx512f")]
+fn float_panel<const R: usize, const V: usize>(
+    w: &[f32],
+    stride: usize,
+    cols: usize,
+    acts: &[f32],
+    out: &mut [f32],
+) {
+    const { assert!(GROUP == 32 && V <= 2) };
+    let (w, acts, out) = (w.as_ptr(), acts.as_ptr(), out.as_mut_ptr());
+    let mut sums = [[_mm512_setzero_ps(); V]; R];
+    for (j, sums) in sums.iter_mut().enumerate() {
+        for (v, sum) in sums.iter_mut().enumerate() {
+            // SAFETY: `out` holds `R × GROUP` values (checked by the caller).
+            *sum = unsafe { _mm512_loadu_ps(out.add(j * GROUP + v * 16)) };
+        }
+    }
+    for c in 0..cols {
+        // SAFETY: column `c` of `R` rows and of the group lies inside `w` and `acts` (checked
+        // by the caller).
+        unsafe {
+            let mut a = [_mm512_setzero_ps(); V];
+            for (v, a) in a.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(acts.add(c * GROUP + v * 16));
+            }
+            for (j, sums) in sums.iter_mut().enumerate() {
+                let b = _mm512_set1_ps(*w.add(j * stride + c));
+                for (sum, &a) in sums.iter_mut().zip(a.iter()) {
+                    *sum = _mm512_fmadd_ps(a, b, *sum);
+                }
+            }
+        }
+    }
+    for (j, sums) in sums.iter().enumerate() {
+        for (v, &sum) in sums.iter().enumerate() {
+            // SAFETY: as for the loads above.
+            unsafe { _mm512_storeu_ps(out.add(j * GROUP + v * 16), sum) };
+        }
+    }
+}
+
+/// [`float_gemm::WriteSums`]: per activation row, its sums gathered 16 weight rows at a time
+/// and stored with a mask. The caller checked the operands ([`float_gemm::check_sums`]).
+#[target_feature(enable = "avx512f")]
+fn write_float_sums(sums: &[f32], rows: usize, lanes: usize, out: &mut [f32], stride: usize) {
+    let by_row = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(GROUP as i32),
+    );
+    for t in 0..lanes {
+        for first in (0..rows).step_by(16) {
+            let mask = first_lanes(rows - first);
+            // SAFETY: the unmasked lanes read sums of rows `first + i < rows` (at most
+            // `rows × GROUP` values) and write `out[t × stride + first + i]`, inside `out`
+            // (both checked by the caller).
+            unsafe {
+                let at = sums.as_ptr().add(first * GROUP + t);
+                let v = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, by_row, at);
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(t * stride + first), mask, v);
+            }
+        }
+    }
+}
 
 /// Whether this CPU runs [`KERNELS`] (AVX-512 VNNI; AVX-VNNI is not needed: Zen 4 has the
 /// one without the other).

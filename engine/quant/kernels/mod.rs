@@ -20,6 +20,7 @@
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+pub(crate) mod float_gemm;
 pub(crate) mod gemm;
 #[cfg(target_arch = "aarch64")]
 pub(crate) mod neon;
@@ -263,6 +264,30 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
 pub(crate) fn best() -> &'static Kernels {
     static BEST: OnceLock<&'static Kernels> = OnceLock::new();
     BEST.get_or_init(|| *available().last().expect("the scalar set is always there"))
+}
+
+/// Every float GEMM kernel this CPU can run, the fastest last.
+pub(crate) fn float_gemms() -> Vec<&'static float_gemm::FloatGemm> {
+    #[allow(unused_mut)]
+    let mut kernels = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    if avx512::float_gemm_supported() {
+        kernels.push(&avx512::FLOAT_GEMM);
+    }
+    kernels
+}
+
+/// The float GEMM kernel this CPU runs, if any (detected once). Without one, many-row products
+/// on float weights (and on integer weights without [`int_gemm`]) take tiles and libtorch's f32
+/// GEMM; `EDGEMOE_FLOAT_GEMM=off` asks for that path on any CPU (to compare the two).
+pub(crate) fn float_gemm() -> Option<&'static float_gemm::FloatGemm> {
+    static FLOAT_GEMM: OnceLock<Option<&'static float_gemm::FloatGemm>> = OnceLock::new();
+    *FLOAT_GEMM.get_or_init(|| {
+        if std::env::var_os("EDGEMOE_FLOAT_GEMM").is_some_and(|v| v == "off") {
+            return None;
+        }
+        float_gemms().last().copied()
+    })
 }
 
 /// Every integer GEMM kernel this CPU can run, the fastest last.
