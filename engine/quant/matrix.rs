@@ -13,9 +13,12 @@
 //! - **GEMM** (prefill, the encoder): integer formats take the integer GEMM of
 //!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` or `smmla` on aarch64):
 //!   activations rounded to INT8 blocks as for the GEMV, the same integer block sums, no weight
-//!   expanded. Otherwise (float formats, other CPUs) tiles of [`TILE_ROWS`] weight rows are
-//!   dequantized into a small scratch and multiplied by libtorch's GEMM (f32 weights are used
-//!   in place).
+//!   expanded. Otherwise (float formats, other CPUs), up to [`FLOAT_GEMM_MAX_ROWS`] activation
+//!   rows (an expert's share of a pass) take the float GEMM of [`kernels::float_gemm`] where the
+//!   CPU has one (AVX-512): one FMA chain per output, the weights widened a task of rows at a
+//!   time. More rows, or other CPUs: tiles of [`TILE_ROWS`] weight rows dequantized into a
+//!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place), which is
+//!   faster there (BENCHMARKS.md §9.18).
 //!
 //! Both paths split their work over the compute threads of [`super::parallel`] (GEMV: tasks of
 //! weight rows; GEMM: tiles), with libtorch itself on one thread. Tiles are the same at every
@@ -520,11 +523,11 @@ const FLOAT_BLOCK_COLS: usize = 192;
 
 /// The float GEMM path ([`kernels::float_gemm`]): activations transposed into groups once,
 /// then tasks of [`FLOAT_TASK_ROWS`] weight rows spread over the compute threads. A task widens
-/// its rows where they are not f32 (f32 rows are used where they lie), then for each group of
-/// activation rows runs the micro-kernel over every panel, a block of [`FLOAT_BLOCK_COLS`]
-/// columns at a time (the sums carried from block to block), and writes its own columns of
-/// `out`. Every output is one chain of FMAs over its whole row, so blocks, tasks and threads
-/// change nothing.
+/// its rows where they are not f32 (f32 rows are used where they lie), then, a block of
+/// [`FLOAT_BLOCK_COLS`] columns at a time, runs the micro-kernel for every group of activation
+/// rows over every panel (the sums carried from block to block), and at the end writes its own
+/// columns of `out`. Every output is one chain of FMAs over its whole row, so blocks, tasks
+/// and threads change nothing.
 pub(crate) fn gemm_float(
     x: &[f32],
     n: usize,
@@ -608,8 +611,8 @@ pub(crate) fn gemm_float(
     })
 }
 
-/// A compute thread's float GEMM task: its rows widened, the sums of one group of activation
-/// rows, and those sums as rows of the product.
+/// A compute thread's float GEMM task: its rows widened, the sums of every group of activation
+/// rows, and one group's sums as rows of the product.
 #[derive(Default)]
 struct FloatScratch {
     tile: Vec<f32>,

@@ -6,6 +6,10 @@
 //! rows in registers: per step of four values it loads one 64-byte activation vector per group
 //! and broadcasts four codes of each weight row, and per block of 32 values it turns the integer
 //! sums into f32 with the block's activation scales (24 accumulators of 32 registers).
+//!
+//! Also the float GEMM of [`super::float_gemm`] on 512-bit FMAs (`avx512f` alone: Skylake-X
+//! and later), whose micro-kernel keeps 6 weight rows × 32 activation rows of sums in 12
+//! registers.
 
 use std::arch::x86_64::*;
 

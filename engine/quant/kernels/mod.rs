@@ -2,7 +2,7 @@
 //! (plus AVX-VNNI where the CPU has it, and AVX-512 VNNI for the integer GEMM and INT2 rows) and
 //! NEON on aarch64 (ARMv8.0, plus `dotprod` where the CPU has it).
 //!
-//! Three families:
+//! Four families:
 //! - dequantization (packed rows → f32, `q × scale`, one multiplication, no fused multiply-add,
 //!   so all kernels agree bit for bit);
 //! - dot products of one stored row with one activation row, used by
@@ -10,7 +10,10 @@
 //!   activation blocks of [`BLOCK`] values;
 //! - an integer GEMM for many activation rows against integer weights ([`gemm`]: layouts and
 //!   the scalar reference; AVX-512 VNNI in [`avx512`], `sdot` and `smmla` in [`neon`]), where
-//!   the CPU has one.
+//!   the CPU has one;
+//! - a float GEMM for an expert's share of many activation rows against float weights
+//!   ([`float_gemm`]: layout and the scalar reference; AVX-512 in [`avx512`]), where the CPU
+//!   has one.
 //!
 //! Activation blocks of the dot products are stored in the order the SIMD kernels unpack
 //! weights, so no kernel shuffles in its inner loop: see [`block_order`], and [`pair_blocks`]
