@@ -816,13 +816,8 @@ fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
                     weights.as_ptr() as usize,
                     &[(end - start) as i64, cols as i64],
                 )?;
-                if start == 0 && end == rows {
-                    let _ = xt.f_mm_out(&ot, &wt.f_tr()?)?;
-                } else {
-                    let product = xt.f_mm(&wt.f_tr()?)?;
-                    ot.f_narrow(1, start as i64, (end - start) as i64)?
-                        .f_copy_(&product)?;
-                }
+                let columns = ot.f_narrow(1, start as i64, (end - start) as i64)?;
+                let _ = xt.f_mm_out(&columns, &wt.f_tr()?)?;
                 Ok(())
             };
             if in_place {
