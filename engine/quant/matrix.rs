@@ -536,15 +536,13 @@ pub(crate) fn gemm_float(
     out: &mut [f32],
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
-    let in_place = w.format == MatrixFormat::F32 && (w.data.as_ptr() as usize).is_multiple_of(4);
     FLOAT_ACTS.with_borrow_mut(|acts| {
         (kernel.prepare_acts)(x, n, cols, acts);
         let acts = &*acts;
         let tasks = rows.div_ceil(FLOAT_TASK_ROWS);
         // An address, not a reference: each task writes its own columns.
         let out_at = out.as_mut_ptr() as usize;
-        let failure = Mutex::new(None);
-        parallel::for_each_task(tasks, &|t| {
+        try_for_each_task(tasks, &|t| {
             let (start, end) = (t * FLOAT_TASK_ROWS, ((t + 1) * FLOAT_TASK_ROWS).min(rows));
             let height = end - start;
             let run = |scratch: &mut FloatScratch| -> Result<()> {
@@ -553,14 +551,13 @@ pub(crate) fn gemm_float(
                     sums,
                     rows_out,
                 } = scratch;
-                let weights: &[f32] = if in_place {
-                    let bytes = &w.data[start * cols * 4..end * cols * 4];
-                    // SAFETY: 4-byte aligned (checked above), whole f32 values.
-                    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 4) }
-                } else {
-                    tile.resize(height * cols, 0.0);
-                    w.dequantize_rows(start, end, tile)?;
-                    tile
+                let weights: &[f32] = match f32_rows_in_place(&w, start, end) {
+                    Some(rows) => rows,
+                    None => {
+                        tile.resize(height * cols, 0.0);
+                        w.dequantize_rows(start, end, tile)?;
+                        tile
+                    }
                 };
                 rows_out.resize(GROUP * height, 0.0);
                 let padded = height.div_ceil(PANEL) * PANEL;
@@ -600,15 +597,35 @@ pub(crate) fn gemm_float(
                 }
                 Ok(())
             };
-            if let Err(e) = FLOAT_SCRATCH.with_borrow_mut(run) {
-                *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-            }
-        });
-        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+            FLOAT_SCRATCH.with_borrow_mut(run)
+        })
     })
+}
+
+/// Rows `start..end` of an f32 matrix where they lie, when its bytes are 4-byte aligned;
+/// `None` otherwise, and for other formats (their rows are dequantized into a scratch).
+fn f32_rows_in_place<'a>(w: &MatrixRef<'a>, start: usize, end: usize) -> Option<&'a [f32]> {
+    if w.format != MatrixFormat::F32 || !(w.data.as_ptr() as usize).is_multiple_of(4) {
+        return None;
+    }
+    let bytes = &w.data[start * w.cols * 4..end * w.cols * 4];
+    // SAFETY: 4-byte aligned (checked above), whole f32 values.
+    Some(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 4) })
+}
+
+/// Runs `task` for every index below `tasks` on the compute threads
+/// ([`parallel::for_each_task`]) and, once all have run, returns an error one of them gave.
+fn try_for_each_task(tasks: usize, task: &(dyn Fn(usize) -> Result<()> + Sync)) -> Result<()> {
+    let failure = Mutex::new(None);
+    parallel::for_each_task(tasks, &|t| {
+        if let Err(e) = task(t) {
+            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        }
+    });
+    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// A compute thread's float GEMM task: its rows widened, the sums of every group of activation
@@ -792,15 +809,13 @@ fn row_dots(
 /// `out`.
 fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
-    let in_place = w.format == MatrixFormat::F32 && (w.data.as_ptr() as usize).is_multiple_of(4);
     // The same tiles at every thread count: libtorch's GEMM rounds differently for different
     // shapes, and a run's output must not depend on `--threads`.
     let tile_rows = TILE_ROWS.min(rows);
     let tasks = rows.div_ceil(tile_rows);
     // Addresses, not references: the tasks build their own tensor views from them.
     let (x_at, out_at) = (x.as_ptr() as usize, out.as_mut_ptr() as usize);
-    let failure = Mutex::new(None);
-    parallel::for_each_task(tasks, &|t| {
+    try_for_each_task(tasks, &|t| {
         let (start, end) = (t * tile_rows, ((t + 1) * tile_rows).min(rows));
         // SAFETY: `x` and `out` outlive every task (for_each_task returns after all of them),
         // their lengths were checked against the shapes, and task `t` writes only columns
@@ -808,41 +823,27 @@ fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
         let view = |at: usize, shape: &[i64]| unsafe {
             Tensor::f_from_blob(at as *const u8, shape, &[], Kind::Float, Device::Cpu)
         };
-        let run = || -> Result<()> {
-            let xt = view(x_at, &[n as i64, cols as i64])?;
-            let ot = view(out_at, &[n as i64, rows as i64])?;
-            let product = |weights: &[f32]| -> Result<()> {
-                let wt = view(
-                    weights.as_ptr() as usize,
-                    &[(end - start) as i64, cols as i64],
-                )?;
-                let columns = ot.f_narrow(1, start as i64, (end - start) as i64)?;
-                let _ = xt.f_mm_out(&columns, &wt.f_tr()?)?;
-                Ok(())
-            };
-            if in_place {
-                let bytes = &w.data[start * cols * 4..end * cols * 4];
-                // SAFETY: 4-byte aligned (checked above), whole f32 values.
-                let weights = unsafe {
-                    std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4)
-                };
-                return product(weights);
-            }
-            SCRATCH.with_borrow_mut(|scratch| {
-                scratch.resize(TILE_ROWS * cols, 0.0);
-                let tile = &mut scratch[..(end - start) * cols];
-                w.dequantize_rows(start, end, tile)?;
-                product(tile)
-            })
+        let xt = view(x_at, &[n as i64, cols as i64])?;
+        let ot = view(out_at, &[n as i64, rows as i64])?;
+        let product = |weights: &[f32]| -> Result<()> {
+            let wt = view(
+                weights.as_ptr() as usize,
+                &[(end - start) as i64, cols as i64],
+            )?;
+            let columns = ot.f_narrow(1, start as i64, (end - start) as i64)?;
+            let _ = xt.f_mm_out(&columns, &wt.f_tr()?)?;
+            Ok(())
         };
-        if let Err(e) = run() {
-            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        if let Some(weights) = f32_rows_in_place(&w, start, end) {
+            return product(weights);
         }
-    });
-    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+        SCRATCH.with_borrow_mut(|scratch| {
+            scratch.resize(TILE_ROWS * cols, 0.0);
+            let tile = &mut scratch[..(end - start) * cols];
+            w.dequantize_rows(start, end, tile)?;
+            product(tile)
+        })
+    })
 }
 
 thread_local! {
