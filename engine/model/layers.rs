@@ -525,6 +525,7 @@ impl Attention {
         let values = table
             .f_index_select(0, &buckets.f_flatten(0, -1)?)?
             .f_view([query_len, key_len, self.num_heads])?; // [q, k, h]
+
         // Laid out once in the order every layer adds it in: a permuted view made each
         // layer's add a strided walk (3.6 ms of an encoder layer's 30 at 353 tokens).
         Ok(values
