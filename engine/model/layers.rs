@@ -822,6 +822,50 @@ mod tests {
         }
     }
 
+    /// The position bias is `[1, heads, queries, keys]` with `bias[h, i, j] = table[bucket(j −
+    /// past − i), h]`, and laid out in that order: every layer adds it to its scores, and a
+    /// strided view made each add several times slower (BENCHMARKS §9.19).
+    #[test]
+    fn position_bias_is_the_tables_values_laid_out_by_head() {
+        let (heads, buckets) = (3i64, 32i64);
+        let zeros = || Weight::Tensor(Tensor::zeros([heads * 4, 8], (Kind::Float, Device::Cpu)));
+        let table: Vec<f32> = (0..buckets * heads).map(|v| v as f32 * 0.5 - 7.0).collect();
+        let attention = Attention {
+            q: zeros(),
+            k: zeros(),
+            v: zeros(),
+            o: zeros(),
+            relative_attention_bias: Some(Tensor::from_slice(&table).view([buckets, heads])),
+            num_heads: heads,
+            d_kv: 4,
+        };
+        for (queries, keys, past, bidirectional) in [(7i64, 7i64, 0i64, true), (1, 12, 11, false)] {
+            let bias = attention
+                .position_bias(queries, keys, past, bidirectional, buckets, 128)
+                .unwrap();
+            assert_eq!(bias.size(), [1, heads, queries, keys]);
+            assert!(bias.is_contiguous(), "the bias is a strided view");
+            let relative = Tensor::arange(keys, (Kind::Int64, Device::Cpu)).unsqueeze(0)
+                - Tensor::arange(queries, (Kind::Int64, Device::Cpu))
+                    .f_add_scalar(past)
+                    .unwrap()
+                    .unsqueeze(1);
+            let bucket = relative_position_bucket(&relative, bidirectional, buckets, 128).unwrap();
+            let bucket = Vec::<i64>::try_from(&bucket.reshape([-1])).unwrap();
+            let values = f32_values(&bias).expect("a contiguous f32 CPU tensor");
+            for h in 0..heads as usize {
+                for (ij, &b) in bucket.iter().enumerate() {
+                    let at = h * bucket.len() + ij;
+                    assert_eq!(
+                        values[at],
+                        table[b as usize * heads as usize + h],
+                        "head {h}, {ij}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The attention's dot product against a sum in f64, on lengths with and without whole
     /// blocks of lanes and a tail (the golden fixtures' heads are shorter than a block).
     #[test]
