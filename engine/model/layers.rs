@@ -845,11 +845,8 @@ mod tests {
                 .unwrap();
             assert_eq!(bias.size(), [1, heads, queries, keys]);
             assert!(bias.is_contiguous(), "the bias is a strided view");
-            let relative = Tensor::arange(keys, (Kind::Int64, Device::Cpu)).unsqueeze(0)
-                - Tensor::arange(queries, (Kind::Int64, Device::Cpu))
-                    .f_add_scalar(past)
-                    .unwrap()
-                    .unsqueeze(1);
+            let positions = |n: i64| Tensor::arange(n, (Kind::Int64, Device::Cpu));
+            let relative = positions(keys).unsqueeze(0) - (positions(queries) + past).unsqueeze(1);
             let bucket = relative_position_bucket(&relative, bidirectional, buckets, 128).unwrap();
             let bucket = Vec::<i64>::try_from(&bucket.reshape([-1])).unwrap();
             let values = f32_values(&bias).expect("a contiguous f32 CPU tensor");
