@@ -551,12 +551,12 @@ pub(crate) fn gemm_float(
                     sums,
                     rows_out,
                 } = scratch;
-                let weights: &[f32] = match f32_rows_in_place(&w, start, end) {
-                    Some(rows) => rows,
+                let (weights, in_place): (&[f32], bool) = match f32_rows_in_place(&w, start, end) {
+                    Some(rows) => (rows, true),
                     None => {
                         tile.resize(height * cols, 0.0);
                         w.dequantize_rows(start, end, tile)?;
-                        tile
+                        (tile, false)
                     }
                 };
                 rows_out.resize(GROUP * height, 0.0);
@@ -574,7 +574,14 @@ pub(crate) fn gemm_float(
                         for (p, sums) in sums.chunks_mut(rows_per_call * GROUP).enumerate() {
                             let panel = &weights[p * rows_per_call * cols + first..];
                             let panel_rows = rows_per_call.min(height - p * rows_per_call);
-                            (kernel.panel)(panel, panel_rows, cols, len, group, lanes, sums);
+                            // The first group reads f32 rows from memory where they lie: the
+                            // kernel asks for the next panel meanwhile. Later groups, and rows
+                            // widened into the tile, find them in cache (asking for the tile's
+                            // rows too measured slower, BENCHMARKS §9.20).
+                            let prefetch = in_place && g == 0;
+                            (kernel.panel)(
+                                panel, panel_rows, cols, len, group, lanes, sums, prefetch,
+                            );
                         }
                     }
                 }
@@ -1370,14 +1377,21 @@ mod tests {
                         let w: Vec<f32> = (0..rows * stride).map(|_| rng.uniform()).collect();
                         let acts: Vec<f32> = (0..cols * GROUP).map(|_| rng.uniform()).collect();
                         let start: Vec<f32> = (0..rows * GROUP).map(|_| rng.uniform()).collect();
-                        let (mut want, mut got) = (start.clone(), start.clone());
-                        fgemm::panel(&w, rows, stride, cols, &acts, lanes, &mut want);
-                        (kernel.panel)(&w, rows, stride, cols, &acts, lanes, &mut got);
-                        assert!(
-                            same(&got, &want),
-                            "{} panel: {rows} rows, {lanes} lanes, {cols} columns",
-                            kernel.name
-                        );
+                        let mut want = start.clone();
+                        fgemm::panel(&w, rows, stride, cols, &acts, lanes, &mut want, false);
+                        // Asking for the next panel's rows (past `w` here) changes nothing.
+                        for prefetch in [false, true] {
+                            let mut got = start.clone();
+                            (kernel.panel)(
+                                &w, rows, stride, cols, &acts, lanes, &mut got, prefetch,
+                            );
+                            assert!(
+                                same(&got, &want),
+                                "{} panel: {rows} rows, {lanes} lanes, {cols} columns, \
+                                 prefetch {prefetch}",
+                                kernel.name
+                            );
+                        }
                     }
                 }
             }

@@ -49,30 +49,30 @@ pub(crate) static FLOAT_GEMM: FloatGemm = FloatGemm {
     name: "avx512",
     // SAFETY: this kernel is only chosen when `float_gemm_supported()` said yes.
     prepare_acts: |x, n, cols, acts| unsafe { prepare_float_acts(x, n, cols, acts) },
-    panel: |w, rows, stride, cols, acts, lanes, out| {
+    panel: |w, rows, stride, cols, acts, lanes, out, prefetch| {
         float_gemm::check_operands(w, rows, stride, cols, acts, lanes, out);
         // SAFETY (every arm): this kernel is only chosen when `float_gemm_supported()` said
         // yes; the operands hold what each reads and writes (checked above).
         unsafe {
             match (lanes <= HALF, rows) {
-                (false, 1) => float_panel::<1, 2>(w, stride, cols, acts, out),
-                (false, 2) => float_panel::<2, 2>(w, stride, cols, acts, out),
-                (false, 3) => float_panel::<3, 2>(w, stride, cols, acts, out),
-                (false, 4) => float_panel::<4, 2>(w, stride, cols, acts, out),
-                (false, 5) => float_panel::<5, 2>(w, stride, cols, acts, out),
-                (false, _) => float_panel::<6, 2>(w, stride, cols, acts, out),
-                (true, 1) => float_panel::<1, 1>(w, stride, cols, acts, out),
-                (true, 2) => float_panel::<2, 1>(w, stride, cols, acts, out),
-                (true, 3) => float_panel::<3, 1>(w, stride, cols, acts, out),
-                (true, 4) => float_panel::<4, 1>(w, stride, cols, acts, out),
-                (true, 5) => float_panel::<5, 1>(w, stride, cols, acts, out),
-                (true, 6) => float_panel::<6, 1>(w, stride, cols, acts, out),
-                (true, 7) => float_panel::<7, 1>(w, stride, cols, acts, out),
-                (true, 8) => float_panel::<8, 1>(w, stride, cols, acts, out),
-                (true, 9) => float_panel::<9, 1>(w, stride, cols, acts, out),
-                (true, 10) => float_panel::<10, 1>(w, stride, cols, acts, out),
-                (true, 11) => float_panel::<11, 1>(w, stride, cols, acts, out),
-                (true, _) => float_panel::<12, 1>(w, stride, cols, acts, out),
+                (false, 1) => float_panel::<1, 2>(w, stride, cols, acts, out, prefetch),
+                (false, 2) => float_panel::<2, 2>(w, stride, cols, acts, out, prefetch),
+                (false, 3) => float_panel::<3, 2>(w, stride, cols, acts, out, prefetch),
+                (false, 4) => float_panel::<4, 2>(w, stride, cols, acts, out, prefetch),
+                (false, 5) => float_panel::<5, 2>(w, stride, cols, acts, out, prefetch),
+                (false, _) => float_panel::<6, 2>(w, stride, cols, acts, out, prefetch),
+                (true, 1) => float_panel::<1, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 2) => float_panel::<2, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 3) => float_panel::<3, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 4) => float_panel::<4, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 5) => float_panel::<5, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 6) => float_panel::<6, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 7) => float_panel::<7, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 8) => float_panel::<8, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 9) => float_panel::<9, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 10) => float_panel::<10, 1>(w, stride, cols, acts, out, prefetch),
+                (true, 11) => float_panel::<11, 1>(w, stride, cols, acts, out, prefetch),
+                (true, _) => float_panel::<12, 1>(w, stride, cols, acts, out, prefetch),
             }
         }
     },
@@ -123,9 +123,14 @@ fn prepare_float_acts(x: &[f32], n: usize, cols: usize, acts: &mut FloatActs) {
     }
 }
 
+/// f32 values in a 64-byte cache line.
+const LINE_VALUES: usize = 16;
+
 /// `R` weight rows × `16 V` activation rows of a group (see [`float_gemm`]): per column, the
 /// group's `V` vectors and one broadcast per row, `V × R` FMAs into sums held in registers from
-/// `out` back to `out`. The caller checked the operands ([`float_gemm::check_operands`]).
+/// `out` back to `out`; with `prefetch_next`, the `R` rows after these are asked for at the
+/// same columns meanwhile (the caller's next panel). The caller checked the operands
+/// ([`float_gemm::check_operands`]).
 #[target_feature(enable = "avx512f")]
 fn float_panel<const R: usize, const V: usize>(
     w: &[f32],
@@ -133,6 +138,7 @@ fn float_panel<const R: usize, const V: usize>(
     cols: usize,
     acts: &[f32],
     out: &mut [f32],
+    prefetch_next: bool,
 ) {
     const { assert!(GROUP == 32 && V <= 2) };
     let (w, acts, out) = (w.as_ptr(), acts.as_ptr(), out.as_mut_ptr());
@@ -144,6 +150,15 @@ fn float_panel<const R: usize, const V: usize>(
         }
     }
     for c in 0..cols {
+        if prefetch_next && c % LINE_VALUES == 0 {
+            // The next `R` rows' values at these columns, a panel ahead: a panel reads each
+            // row for a block of columns only, too short a run for the hardware prefetchers to
+            // follow, and without this a group's loads wait on memory. A hint: past the matrix
+            // it fetches nothing of use, and it never faults.
+            for j in R..2 * R {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(j * stride + c).cast());
+            }
+        }
         // SAFETY: column `c` of `R` rows and of the group lies inside `w` and `acts` (checked
         // by the caller).
         unsafe {

@@ -82,6 +82,10 @@ pub(crate) fn prepare_acts(x: &[f32], n: usize, cols: usize, acts: &mut FloatAct
 /// they are): each sum continues, value after value, from what `out` holds (zeros for
 /// a new product), so a row taken in column blocks gives the bits of the whole row. `out`
 /// holds at least `rows × GROUP` values.
+///
+/// With `prefetch_next`, a kernel may also ask for the same columns of the rows after these
+/// (the caller's next panel) while it computes: worth it where the weights are read from
+/// memory where they lie. A hint, never a change to a result.
 pub(crate) type FloatPanel = fn(
     w: &[f32],
     rows: usize,
@@ -90,6 +94,7 @@ pub(crate) type FloatPanel = fn(
     acts: &[f32],
     lanes: usize,
     out: &mut [f32],
+    prefetch_next: bool,
 );
 
 /// `out[t × stride + r] = sums[r × GROUP + t]` for `r < rows`, `t < lanes`: a task's sums back
@@ -133,6 +138,7 @@ pub(crate) fn check_sums(sums: &[f32], rows: usize, lanes: usize, out: &[f32], s
 
 /// The reference [`FloatPanel`]: every SIMD kernel gives its results bit for bit.
 #[cfg(test)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn panel(
     w: &[f32],
     rows: usize,
@@ -141,6 +147,7 @@ pub(crate) fn panel(
     acts: &[f32],
     lanes: usize,
     out: &mut [f32],
+    _prefetch_next: bool,
 ) {
     check_operands(w, rows, stride, cols, acts, lanes, out);
     let lanes = if lanes <= HALF { HALF } else { GROUP };
