@@ -526,8 +526,9 @@ const FLOAT_BLOCK_COLS: usize = 192;
 /// its rows where they are not f32 (f32 rows are used where they lie), then, a block of
 /// [`FLOAT_BLOCK_COLS`] columns at a time, runs the micro-kernel for every group of activation
 /// rows over every panel (the sums carried from block to block), and at the end writes its own
-/// columns of `out`. Every output is one chain of FMAs over its whole row, so blocks, tasks
-/// and threads change nothing.
+/// columns of `out`. On f32 rows where they lie, the first group's calls ask for the next
+/// panel's rows meanwhile, so that the reads from memory overlap the FMAs. Every output is one
+/// chain of FMAs over its whole row, so blocks, tasks and threads change nothing.
 pub(crate) fn gemm_float(
     x: &[f32],
     n: usize,
