@@ -28,8 +28,8 @@ fn attention(c: &mut Criterion) {
     let (keys, vals) = (values(tokens * width, 1), values(tokens * width, 2));
     let queries = values(beams * width, 3);
     let kv = CachedKv {
-        keys: &keys,
-        values: &vals,
+        keys: &keys[..],
+        values: &vals[..],
         kv_heads: heads,
         head_dim,
     };
@@ -50,8 +50,8 @@ fn attention(c: &mut Criterion) {
     let (keys, vals) = (values(tokens * width, 4), values(tokens * width, 5));
     let query = values(width, 6);
     let kv = CachedKv {
-        keys: &keys,
-        values: &vals,
+        keys: &keys[..],
+        values: &vals[..],
         kv_heads: heads,
         head_dim,
     };

@@ -9,6 +9,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use edgemoe::bundle::Bundle;
 use edgemoe::model::moe::expert_forward;
 use edgemoe::model::provider::ExpertProvider;
+use edgemoe::model::KvFormat;
 use edgemoe::offline::convert::{convert, ConvertOptions};
 use edgemoe::runtime::resident::ResidentExperts;
 use edgemoe::store::AlignedBuf;
@@ -60,7 +61,7 @@ fn kernels(c: &mut Criterion) {
         .unwrap();
     c.bench_function("decoder step, experts resident (demo model)", |b| {
         b.iter_batched(
-            || model.start_decoder(&encoded, 1).unwrap(),
+            || model.start_decoder(&encoded, 1, KvFormat::F32).unwrap(),
             |mut state| {
                 black_box(
                     model

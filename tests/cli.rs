@@ -632,6 +632,10 @@ fn every_usage_error_exits_2_before_any_work() {
         (&["summarize", "--model", m, "--policy", "mru"], &["mru"]),
         (&["summarize", "--model", m, "--mode", "turbo"], &["turbo"]),
         (
+            &["summarize", "--model", m, "--kv-cache", "q4"],
+            &["q4", "f32, f16 or int8"],
+        ),
+        (
             &["summarize", "--model", m, "--device", "gpu"],
             &["gpu", "cuda:N"],
         ),
@@ -1145,6 +1149,61 @@ fn commands_refuse_the_other_architecture() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("999") && err.contains("vocabulary"), "{err}");
+}
+
+/// `--kv-cache` reaches the run (the statistics name the format, and an INT8 cache sets less
+/// working memory aside than f32), and a decoder-only model, whose cache it does not hold,
+/// refuses it by name.
+#[test]
+fn kv_cache_flag_reaches_the_run_and_is_refused_where_it_does_not_apply() {
+    let dir = tempfile::tempdir().unwrap();
+    let decoder = common::convert_to(&common::fixture("tiny-olmoe"), &dir.path().join("d"));
+    let switch = common::convert_to(&common::fixture("tiny-untied-e8"), &dir.path().join("s"));
+    let input = dir.path().join("doc.txt");
+    std::fs::write(&input, "Anna: are you coming tonight? Ben: yes, at eight.").unwrap();
+    let mut working = Vec::new();
+    for format in ["f32", "int8"] {
+        let stats = dir.path().join(format!("{format}.json"));
+        let out = run(
+            &[
+                "summarize",
+                "--model",
+                switch.to_str().unwrap(),
+                "--input",
+                input.to_str().unwrap(),
+                "--kv-cache",
+                format,
+                "--ids",
+                "--stats-json",
+                stats.to_str().unwrap(),
+            ],
+            None,
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let stats: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        assert_eq!(stats["kv_cache"], format);
+        working.push(stats["working_bytes"].as_u64().unwrap());
+    }
+    assert!(working[1] < working[0], "working bytes {working:?}");
+    let out = run(
+        &[
+            "generate",
+            "--model",
+            decoder.to_str().unwrap(),
+            "--prompt-ids",
+            "5,6",
+            "--kv-cache",
+            "f16",
+        ],
+        None,
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--kv-cache f16") && err.contains("decoder-only"),
+        "{err}"
+    );
 }
 
 /// Every command that prints ends quietly when its standard output is closed (`| head -1`):

@@ -2,12 +2,12 @@
 //! (`SwitchModel::decoder_cache_bytes`, part of `working_bytes`), and that share is not padded:
 //! at the end of a run the caches hold at least half of it. Beam search with reorders that keep
 //! some beams twice and drop others (the caches' copies), on both Switch fixtures, over sources
-//! longer and shorter than the run.
+//! longer and shorter than the run, with the cross-attention cache in every format.
 
 mod common;
 
 use edgemoe::bundle::Bundle;
-use edgemoe::model::RunShape;
+use edgemoe::model::{KvFormat, RunShape};
 use edgemoe::runtime::buffer::ExpertBuffer;
 
 #[test]
@@ -20,18 +20,24 @@ fn decoder_caches_stay_within_their_share_of_the_working_memory() {
         let experts = bundle.open_store().unwrap().index().experts.len();
         let mut buffer = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, experts);
         let model = common::engine::load_switch(&bundle);
-        for (source_len, steps, beams) in [(40, 6, 4), (16, 20, 3), (12, 12, 1)] {
-            let what =
-                format!("{fixture}: {source_len} source tokens, {steps} steps, {beams} beams");
+        let runs = [(40, 6, 4), (16, 20, 3), (12, 12, 1)];
+        for ((source_len, steps, beams), kv_cache) in runs
+            .into_iter()
+            .flat_map(|run| KvFormat::ALL.map(|format| (run, format)))
+        {
+            let what = format!(
+                "{fixture}: {source_len} source tokens, {steps} steps, {beams} beams, {kv_cache} cross-attention cache"
+            );
             let source: Vec<i64> = (0..source_len).map(|i| 3 + (i * 7) % 50).collect();
             let run = RunShape {
                 max_source_tokens: source_len as usize,
                 max_new_tokens: steps,
                 beams,
+                kv_cache,
             };
             let share = model.decoder_cache_bytes(run);
             let encoded = model.encode(&source, &mut buffer, &mut Vec::new()).unwrap();
-            let mut state = model.start_decoder(&encoded, beams).unwrap();
+            let mut state = model.start_decoder(&encoded, beams, kv_cache).unwrap();
             let mut tokens = vec![0i64; beams];
             for step in 0..steps {
                 let logits = model

@@ -23,7 +23,7 @@ use edgemoe::generation::decoding::DecodeOptions;
 use edgemoe::generation::sampling::Sampling;
 use edgemoe::generation::seq2seq::generate;
 use edgemoe::ids::Stack;
-use edgemoe::model::LayerRoute;
+use edgemoe::model::{KvFormat, LayerRoute};
 use edgemoe::runtime::buffer::{BufferOptions, ExpertBuffer};
 use edgemoe::runtime::predict::PredictorKind;
 
@@ -52,6 +52,7 @@ fn check_switch(name: &str, bundle: &Bundle) {
         eos_token_id: 1,
         sampling: Sampling::Greedy,
         stop_token_ids: vec![1],
+        kv_cache: Default::default(),
         cancellation: Default::default(),
     };
     let beam = DecodeOptions {
@@ -122,7 +123,7 @@ fn check_switch(name: &str, bundle: &Bundle) {
             }
 
             // Logits of the first steps along the greedy path.
-            let mut state = model.start_decoder(&encoded, 1).unwrap();
+            let mut state = model.start_decoder(&encoded, 1, KvFormat::F32).unwrap();
             let mut token = 0;
             for (step, want) in case.step_logits.iter().enumerate() {
                 let logits = model

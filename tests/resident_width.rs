@@ -17,6 +17,7 @@ use edgemoe::generation::causal::complete;
 use edgemoe::generation::decoding::DecodeOptions;
 use edgemoe::generation::sampling::Sampling;
 use edgemoe::generation::seq2seq::generate;
+use edgemoe::model::KvFormat;
 use edgemoe::offline::bit_plan::BitPlan;
 use edgemoe::offline::convert::ResidentWidth;
 use edgemoe::runtime::buffer::ExpertBuffer;
@@ -62,6 +63,7 @@ fn run(bundle: &Bundle, case: &Case) -> (Vec<i64>, Vec<Vec<f32>>) {
                 eos_token_id: 1,
                 sampling: Sampling::Greedy,
                 stop_token_ids: vec![1],
+                kv_cache: Default::default(),
                 cancellation: Default::default(),
             };
             let tokens = generate(&model, &mut buffer, &case.input_ids, &options)
@@ -70,7 +72,7 @@ fn run(bundle: &Bundle, case: &Case) -> (Vec<i64>, Vec<Vec<f32>>) {
             let encoded = model
                 .encode(&case.input_ids, &mut buffer, &mut Vec::new())
                 .unwrap();
-            let mut state = model.start_decoder(&encoded, 1).unwrap();
+            let mut state = model.start_decoder(&encoded, 1, KvFormat::F32).unwrap();
             let mut token = 0;
             let mut logits = Vec::new();
             for step in 0..steps {

@@ -14,6 +14,7 @@ use edgemoe::config::profile::{DeviceKind, DeviceProfile, BUILT_IN};
 use edgemoe::generation::report::RunStats;
 use edgemoe::generation::session::CacheOptions;
 use edgemoe::io::check_output_path;
+use edgemoe::model::KvFormat;
 use edgemoe::quant::QuantBits;
 use edgemoe::runtime::modes::Mode;
 use edgemoe::runtime::predict::PredictorKind;
@@ -145,6 +146,11 @@ pub struct CacheArgs {
     /// reads to the profile's bandwidth and per-read latency.
     #[arg(long, value_name = "MODE", default_value = "direct", value_parser = parse_storage)]
     storage: StorageMode,
+    /// How an encoder-decoder holds its cross-attention keys and values, read whole at every
+    /// decode step: f32 (default, the reference's), f16 or int8 (blocks of 32 with a scale).
+    /// Narrower is faster and lossy.
+    #[arg(long, value_name = "FORMAT", default_value = "f32")]
+    kv_cache: KvFormat,
     /// Compute threads (default: the profile's, else the cores minus one for the prefetch thread).
     #[arg(long, value_name = "N", value_parser = parse_threads)]
     threads: Option<u16>,
@@ -157,6 +163,8 @@ pub struct CacheArgs {
 /// A run's resolved settings.
 pub struct RunSettings {
     pub budget_bytes: u64,
+    /// `--kv-cache`: for [`edgemoe::generation::decoding::DecodeOptions::kv_cache`].
+    pub kv_cache: KvFormat,
     pub cache: CacheOptions,
     pub profile: Option<DeviceProfile>,
     pub device: tch::Device,
@@ -242,6 +250,7 @@ impl CacheArgs {
             .unwrap_or(3 << 29);
         Ok(RunSettings {
             budget_bytes,
+            kv_cache: self.kv_cache,
             cache: CacheOptions {
                 policy: self
                     .policy

@@ -66,6 +66,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         decode.num_beams = b as usize;
     }
     let settings = args.cache.resolve()?;
+    decode.kv_cache = settings.kv_cache;
     bundle.expect_encoder_decoder()?;
     let mut session = Session::open(
         &bundle,

@@ -94,6 +94,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         decode.max_new_tokens = n;
     }
     let settings = args.cache.resolve()?;
+    decode.kv_cache = settings.kv_cache;
     if settings.device != tch::Device::Cpu {
         anyhow::bail!("decoder-only models run on the CPU in this build: pass --device cpu");
     }

@@ -108,7 +108,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let base = SessionOptions {
         budget_bytes: settings.budget_bytes,
         max_input_tokens: limits.input_tokens,
-        decode: DecodeOptions::from_defaults(&generation),
+        decode: DecodeOptions {
+            kv_cache: settings.kv_cache,
+            ..DecodeOptions::from_defaults(&generation)
+        },
         cache: settings.cache,
         device: settings.device,
     };

@@ -65,6 +65,7 @@ pub fn run(args: SummarizeArgs) -> Result<()> {
         decode.no_repeat_ngram_size = n;
     }
     let settings = args.cache.resolve()?;
+    decode.kv_cache = settings.kv_cache;
     let options = SessionOptions {
         budget_bytes: settings.budget_bytes,
         decode,
@@ -103,5 +104,6 @@ pub fn run(args: SummarizeArgs) -> Result<()> {
         &session.options.cache,
     );
     stats.profile = settings.profile.map(|p| p.name);
+    stats.kv_cache = session.options.decode.kv_cache;
     args.output.report(&stats)
 }

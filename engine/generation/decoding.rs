@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::config::{EarlyStopping, GenerationDefaults};
 use crate::error::{Error, Result};
-use crate::model::LayerRoute;
+use crate::model::{KvFormat, LayerRoute};
 
 use super::sampling::Sampling;
 
@@ -27,6 +27,9 @@ pub struct DecodeOptions {
     pub sampling: Sampling,
     /// Tokens that end a decoder-only generation (kept in the output).
     pub stop_token_ids: Vec<i64>,
+    /// How an encoder-decoder's cross-attention cache holds its keys and values (`--kv-cache`;
+    /// f32 unless asked).
+    pub kv_cache: KvFormat,
     /// Checked before the encoder pass or prefill and before every step: the call ends with
     /// [`Error::Cancelled`] once it fires (never, by default).
     pub cancellation: Cancellation,
@@ -44,6 +47,7 @@ impl DecodeOptions {
             eos_token_id: g.eos_token_id,
             sampling: Sampling::Greedy,
             stop_token_ids: g.stop_token_ids.clone(),
+            kv_cache: KvFormat::F32,
             cancellation: Cancellation::default(),
         }
     }

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 use crate::generation::decoding::Generation;
 use crate::generation::session::CacheOptions;
+use crate::model::KvFormat;
 use crate::runtime::budget::BudgetPlan;
 use crate::runtime::stats::{
     DictionaryStats, ExpertStats, LayerStats, PredictorKind, PredictorLayerStats, PrefetchStats,
@@ -116,6 +117,10 @@ pub struct RunStats {
     pub buffer_bytes: u64,
     pub buffer_slots: usize,
     pub kernels: KernelStats,
+    /// How the cross-attention cache held its keys and values (`--kv-cache`: `f32`, `f16` or
+    /// `int8`; `f32` in files written before the key).
+    #[serde(default)]
+    pub kv_cache: KvFormat,
     /// Generated ids of each document (without the decoder start token).
     pub output_ids: Vec<Vec<i64>>,
     pub samples: Vec<SampleStats>,
@@ -243,6 +248,7 @@ impl RunStats {
             buffer_bytes: plan.buffer_bytes(),
             buffer_slots: plan.slots,
             kernels: KernelStats::detected(),
+            kv_cache: KvFormat::F32,
             output_ids: generations.iter().map(|(_, g)| g.tokens.clone()).collect(),
             samples,
         }
@@ -380,6 +386,7 @@ pub(crate) mod tests {
                 int_gemm: Some("neon-i8mm".into()),
                 float_gemm: Some("avx512".into()),
             },
+            kv_cache: KvFormat::Int8,
             output_ids: vec![vec![1, 2, 3], vec![]],
             samples: vec![SampleStats {
                 source_tokens: 40,
@@ -441,6 +448,7 @@ pub(crate) mod tests {
             "buffer_bytes",
             "buffer_slots",
             "kernels",
+            "kv_cache",
             "output_ids",
             "samples",
         ];
@@ -452,8 +460,14 @@ pub(crate) mod tests {
             "{}",
             json["samples"][0]
         );
-        let back: RunStats = serde_json::from_value(json).unwrap();
+        assert_eq!(json["kv_cache"], "int8");
+        let back: RunStats = serde_json::from_value(json.clone()).unwrap();
         assert_eq!(back, stats);
+        // A file written before `kv_cache` was a key: the f32 cache every run had then.
+        let mut older = json;
+        older.as_object_mut().unwrap().remove("kv_cache");
+        let back: RunStats = serde_json::from_value(older).unwrap();
+        assert_eq!(back.kv_cache, KvFormat::F32);
 
         let no_profile = RunStats {
             profile: None,

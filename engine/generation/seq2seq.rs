@@ -74,7 +74,7 @@ fn greedy(
     options: &DecodeOptions,
     out: &mut Generation,
 ) -> Result<Vec<i64>> {
-    let mut state = model.start_decoder(encoded, 1)?;
+    let mut state = model.start_decoder(encoded, 1, options.kv_cache)?;
     let mut seq = vec![options.decoder_start_token_id];
     for _ in 0..options.max_new_tokens {
         options.cancellation.check()?;
@@ -131,7 +131,7 @@ fn beam_search(
     let max_length = 1 + options.max_new_tokens; // includes the start token
     let lp = options.length_penalty;
     let vocab = model.spec().vocab_size as i64;
-    let mut state = model.start_decoder(encoded, beams)?;
+    let mut state = model.start_decoder(encoded, beams, options.kv_cache)?;
 
     let start = options.decoder_start_token_id;
     let mut running: Vec<Vec<i64>> = vec![vec![start]; beams];

@@ -14,7 +14,7 @@ use crate::bundle::Bundle;
 use crate::dictionary::PathDictionary;
 use crate::error::{Error, Result};
 use crate::model::provider::ExpertProvider;
-use crate::model::{DecoderOnlyModel, Model, ModelRun, RunShape, SwitchModel};
+use crate::model::{DecoderOnlyModel, KvFormat, Model, ModelRun, RunShape, SwitchModel};
 use crate::runtime::budget::BudgetPlan;
 use crate::runtime::modes::ExpertSource;
 pub use crate::runtime::setup::CacheOptions;
@@ -58,6 +58,7 @@ impl SessionOptions {
             max_source_tokens: self.max_input_tokens,
             max_new_tokens: self.decode.max_new_tokens,
             beams: self.decode.num_beams,
+            kv_cache: self.decode.kv_cache,
         }
     }
 }
@@ -83,6 +84,18 @@ impl Session {
     pub fn open(bundle: &Bundle, options: SessionOptions) -> Result<Self> {
         let tokenizer = bundle.tokenizer()?;
         let model = bundle.load_model(options.device)?;
+        let kv_cache = options.decode.kv_cache;
+        if kv_cache != KvFormat::F32 && !model.has_encoder() {
+            return Err(Error::Input(format!(
+                "--kv-cache {kv_cache}: a decoder-only model keeps its attention cache in f32 (the option holds an encoder-decoder's cross-attention cache)"
+            )));
+        }
+        if kv_cache != KvFormat::F32 && options.device != Device::Cpu {
+            return Err(Error::Input(format!(
+                "--kv-cache {kv_cache} holds the cache for the CPU's loops: on {:?} it is f32 (pass --kv-cache f32)",
+                options.device
+            )));
+        }
         let working = model.working_bytes(options.run_shape());
         let ExpertRuntime {
             buffer,

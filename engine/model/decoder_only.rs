@@ -520,8 +520,8 @@ impl DecoderOnlyModel {
         // Keys a sliding window hides: query − key ≥ window.
         let first = a.window.map_or(0, |w| total.saturating_sub(w));
         let cached = CachedKv {
-            keys: &kv.keys,
-            values: &kv.values,
+            keys: &kv.keys[..],
+            values: &kv.values[..],
             kv_heads,
             head_dim: hd,
         };

@@ -7,8 +7,8 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::kv::{KvCacheRows, KvRows};
 use crate::error::{Error, Result};
-use crate::quant::kernels::prefetch_bytes;
 use crate::quant::matrix::{matmul, MatrixFormat, MatrixRef, PackedMatrix};
 
 /// `SwitchTransformersLayerNorm`: RMS norm, no mean subtraction, no bias.
@@ -452,22 +452,29 @@ impl Attention {
     }
 
     /// [`Self::attend_cached`] for `b` sequences that share one cache (beams over one document's
-    /// encoder output): one walk of the cache for every query ([`CachedKv::attend_each`]).
+    /// encoder output): one walk of the cache for every query ([`CachedKv::attend_each`]), in
+    /// whichever format the cache holds.
     pub fn attend_cached_shared(
         &self,
         x: &Tensor,
-        keys: &[f32],
-        values: &[f32],
+        cache: &KvCacheRows,
         bias: Option<&[f32]>,
     ) -> Result<Tensor> {
         let count = x.size()[0] as usize;
-        self.attend_queries(x, count, |queries, _| {
-            self.cached(keys, values)
-                .attend_each(queries, count, 0, 1.0, bias)
+        self.attend_queries(x, count, |queries, _| match cache {
+            KvCacheRows::F32 { keys, values } => self
+                .cached(&keys[..], &values[..])
+                .attend_each(queries, count, 0, 1.0, bias),
+            KvCacheRows::F16 { keys, values } => self
+                .cached(keys, values)
+                .attend_each(queries, count, 0, 1.0, bias),
+            KvCacheRows::Int8 { keys, values } => self
+                .cached(keys, values)
+                .attend_each(queries, count, 0, 1.0, bias),
         })
     }
 
-    fn cached<'a>(&self, keys: &'a [f32], values: &'a [f32]) -> CachedKv<'a> {
+    fn cached<'a, R: KvRows + ?Sized>(&self, keys: &'a R, values: &'a R) -> CachedKv<'a, R> {
         CachedKv {
             keys,
             values,
@@ -538,14 +545,14 @@ impl Attention {
 /// Keys and values cached for one sequence, token-major (`[len, kv_heads × head_dim]` each): a
 /// decode step appends its token's in place. Query head `h` reads kv head `h / (heads /
 /// kv_heads)` (grouped-query attention; `repeat_kv`).
-pub struct CachedKv<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
+pub struct CachedKv<'a, R: KvRows + ?Sized = [f32]> {
+    pub keys: &'a R,
+    pub values: &'a R,
     pub kv_heads: usize,
     pub head_dim: usize,
 }
 
-impl CachedKv<'_> {
+impl<R: KvRows + ?Sized> CachedKv<'_, R> {
     /// The attention of one query `q` `[heads × head_dim]` over the cached tokens `first ..`
     /// (earlier ones hidden, as a sliding window does): per head, `softmax(q·kᵀ × scaling +
     /// bias)·v`, with `bias` `[heads, len]` added where given (T5's position bias). Plain loops,
@@ -558,7 +565,8 @@ impl CachedKv<'_> {
     /// apart, and walking them head by head ran at ~40% of the memory bandwidth over a long
     /// context. Each head still sums its tokens in ascending order, so the results are the same
     /// bits either way. Each token's row asks for the next one's bytes ahead
-    /// ([`prefetch_bytes`]: on Intel cores, whose prefetchers lag behind this stream of rows).
+    /// ([`KvRows::prefetch`]: on Intel cores, whose prefetchers lag behind this stream of rows).
+    /// Rows held narrower than f32 ([`super::kv`]) are widened one at a time into a scratch row.
     /// On x86_64 the loops are compiled for AVX2 where the CPU has it (plain multiplies and adds,
     /// no FMA: the same roundings as the baseline SSE2 build).
     pub fn attend(&self, q: &[f32], first: usize, scaling: f32, bias: Option<&[f32]>) -> Vec<f32> {
@@ -608,7 +616,7 @@ impl CachedKv<'_> {
     ) -> Vec<f32> {
         let hd = self.head_dim;
         let width = self.kv_heads * hd;
-        let total = self.keys.len() / width.max(1);
+        let total = self.keys.rows(width);
         let heads = queries.len() / count.max(1) / hd.max(1);
         let rep = heads / self.kv_heads.max(1);
         let kv_offset = |h: usize| h / rep * hd;
@@ -617,9 +625,11 @@ impl CachedKv<'_> {
         // output, `[count × heads, hd]`.
         let rows = count * heads;
         let mut weights = vec![0f32; rows * total];
+        // A row widened from a narrower format (unused for f32 rows).
+        let mut scratch = vec![0f32; width];
         for t in first..total {
-            let keys = &self.keys[t * width..(t + 1) * width];
-            prefetch_bytes(keys.as_ptr().wrapping_add(width).cast(), width * 4);
+            let keys = self.keys.row(t, width, &mut scratch);
+            self.keys.prefetch(t + 1, width);
             for (query, query_weights) in queries
                 .chunks_exact(heads * hd)
                 .zip(weights.chunks_exact_mut(heads * total))
@@ -646,8 +656,8 @@ impl CachedKv<'_> {
         }
         let mut out = vec![0f32; rows * hd];
         for t in first..total {
-            let values = &self.values[t * width..(t + 1) * width];
-            prefetch_bytes(values.as_ptr().wrapping_add(width).cast(), width * 4);
+            let values = self.values.row(t, width, &mut scratch);
+            self.values.prefetch(t + 1, width);
             for (query_out, query_weights) in out
                 .chunks_exact_mut(heads * hd)
                 .zip(weights.chunks_exact(heads * total))
@@ -752,8 +762,8 @@ mod tests {
             let bias: Vec<f32> = (0..heads * total).map(|_| uniform()).collect();
             let bias = biased.then_some(bias.as_slice());
             let kv = CachedKv {
-                keys: &keys,
-                values: &values,
+                keys: &keys[..],
+                values: &values[..],
                 kv_heads,
                 head_dim: hd,
             };

@@ -9,6 +9,7 @@
 //! decoding loop made for its shape (see [`ModelRun`]).
 
 pub mod decoder_only;
+pub mod kv;
 pub mod layers;
 pub mod moe;
 pub mod provider;
@@ -21,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::weights::WeightFiles;
 
 pub use decoder_only::{DecoderOnlyModel, KvCache};
+pub use kv::KvFormat;
 pub use moe::{LayerRoute, Routing};
 pub use provider::{ExpertProvider, ExpertWeights};
 pub use switch::{DecoderState, SwitchModel};
@@ -41,6 +43,8 @@ pub struct RunShape {
     pub max_new_tokens: usize,
     /// Sequences decoded side by side (beam search); decoder-only runs decode one.
     pub beams: usize,
+    /// How the encoder-decoder's cross-attention cache holds its keys and values.
+    pub kv_cache: KvFormat,
 }
 
 /// A decoding loop per model shape: [`Model::run`] calls the one that fits the model. The

@@ -16,6 +16,7 @@ use crate::ids::Stack;
 use crate::model::provider::ExpertProvider;
 use crate::weights::{Stored, WeightFiles};
 
+use super::kv::{KvCacheRows, KvFormat};
 use super::RunShape;
 use crate::quant::matrix::gemm_scratch_values;
 use crate::quant::parallel::compute_threads;
@@ -122,8 +123,9 @@ struct LoopCaches {
     self_kv: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
     /// Cross-attention over the encoder output, `[src, h × dk]` each, made once and read by
     /// every sequence: beams decode the same document. (HF repeats the encoder output per beam
-    /// and reorders that copy with the beams; every copy holds the same values.)
-    cross_kv: Vec<(Vec<f32>, Vec<f32>)>,
+    /// and reorders that copy with the beams; every copy holds the same values.) Held in the
+    /// run's [`KvFormat`].
+    cross_kv: Vec<KvCacheRows>,
 }
 
 impl SwitchModel {
@@ -390,8 +392,14 @@ impl SwitchModel {
         self.encoder.final_norm.forward(&h)
     }
 
-    /// Prepares the decoder for `beams` sequences over `encoder_out` `[1, src, d]`.
-    pub fn start_decoder(&self, encoder_out: &Tensor, beams: usize) -> Result<DecoderState> {
+    /// Prepares the decoder for `beams` sequences over `encoder_out` `[1, src, d]`, its
+    /// cross-attention cache held as `kv_format` (on the CPU: on another device, f32 only).
+    pub fn start_decoder(
+        &self,
+        encoder_out: &Tensor,
+        beams: usize,
+        kv_format: KvFormat,
+    ) -> Result<DecoderState> {
         let _guard = tch::no_grad_guard();
         let blocks = self.decoder.blocks.len();
         let cross_attention = self.decoder.blocks.iter().map(|block| {
@@ -401,6 +409,12 @@ impl SwitchModel {
                 .expect("decoder blocks have cross-attention")
                 .0
         });
+        if encoder_out.device() != Device::Cpu && kv_format != KvFormat::F32 {
+            return Err(Error::Input(format!(
+                "a {kv_format} KV cache is held for the CPU's loops: on {:?} the cache is f32",
+                encoder_out.device()
+            )));
+        }
         let mut cross_kv = Vec::new();
         // On the CPU: the attention caches as plain values, token-major (the projections' own
         // layout), instead of tensors; one cross-attention cache for every beam.
@@ -410,8 +424,12 @@ impl SwitchModel {
                     &linear(encoder_out, w)?.f_reshape([-1])?,
                 )?)
             };
+            let width = self.spec.inner_dim();
             let cross_kv = cross_attention
-                .map(|attn| Ok((token_major(&attn.k)?, token_major(&attn.v)?)))
+                .map(|attn| {
+                    let (keys, values) = (token_major(&attn.k)?, token_major(&attn.v)?);
+                    Ok(KvCacheRows::new(kv_format, keys, values, width))
+                })
                 .collect::<Result<Vec<_>>>()?;
             Some(LoopCaches {
                 self_kv: vec![vec![(Vec::new(), Vec::new()); blocks]; beams],
@@ -518,10 +536,7 @@ impl SwitchModel {
                 .expect("decoder blocks have cross-attention");
             let normed = cross_norm.forward(&h)?;
             let crossed = match &state.loops {
-                Some(loops) => {
-                    let (keys, values) = &loops.cross_kv[index];
-                    cross.attend_cached_shared(&normed, keys, values, None)?
-                }
+                Some(loops) => cross.attend_cached_shared(&normed, &loops.cross_kv[index], None)?,
                 None => {
                     let (keys, values) = &state.cross_kv[index];
                     cross.attend(&normed, keys, values, None)?
@@ -647,8 +662,11 @@ impl SwitchModel {
         let dec_layers = n(self.spec.num_decoder_layers);
         // The CPU's loops (`LoopCaches`): self-attention K/V per beam grow to `tgt` (vectors
         // that grow may hold twice what they use), cross-attention K/V span `src` once for
-        // every beam. A reorder copies into dropped beams' caches, never beside them.
-        (S(4) * dec_layers * S(2) * inner * (S(2) * beams * tgt + src)).0
+        // every beam, in the run's format. A reorder copies into dropped beams' caches, never
+        // beside them.
+        let self_kv = S(4) * dec_layers * S(2) * inner * S(2) * beams * tgt;
+        let cross_kv = dec_layers * S(2) * S(run.kv_cache.bytes(src.0, inner.0));
+        (self_kv + cross_kv).0
     }
 }
 
@@ -661,10 +679,15 @@ impl DecoderState {
             .map(|(k, v)| 4 * (k.numel() + v.numel()) as u64)
             .sum();
         let loop_bytes: u64 = self.loops.as_ref().map_or(0, |loops| {
-            let pairs = loops.self_kv.iter().flatten().chain(&loops.cross_kv);
-            pairs
+            let self_kv: u64 = (loops.self_kv.iter().flatten())
                 .map(|(k, v)| 4 * (k.capacity() + v.capacity()) as u64)
-                .sum()
+                .sum();
+            self_kv
+                + loops
+                    .cross_kv
+                    .iter()
+                    .map(KvCacheRows::held_bytes)
+                    .sum::<u64>()
         });
         tensor_bytes + loop_bytes
     }

@@ -88,12 +88,13 @@ pub fn evaluate(
         progress.inc(1);
     }
     progress.finish_and_clear();
-    let run = RunStats::new(
+    let mut run = RunStats::new(
         &generations,
         session.stats(),
         &session.plan,
         &session.options.cache,
     );
+    run.kv_cache = session.options.decode.kv_cache;
     Ok((
         EvalReport {
             documents: examples.len(),

@@ -560,6 +560,7 @@ pub fn tune_bits(options: &TuneBitsOptions) -> Result<TuneBitsRun> {
         max_source_tokens: document_input_tokens(&bundle),
         max_new_tokens: decode.max_new_tokens,
         beams: 1,
+        kv_cache: decode.kv_cache,
     });
     let memory = physical_memory_bytes();
     if working > memory {

@@ -133,7 +133,10 @@ fn summarize(
     task: &SummarizeTask,
     metrics: &Metrics,
 ) -> Result<(usize, Reply)> {
+    // The server's `--kv-cache` (its working memory was sized for it), whatever the request.
+    let kv_cache = session.options.decode.kv_cache;
     session.options.decode = task.decode.clone();
+    session.options.decode.kv_cache = kv_cache;
     session.options.decode.cancellation = job.cancellation.clone();
     session.options.max_input_tokens = task.max_source_tokens;
     let mut summaries = Vec::with_capacity(task.documents.len());

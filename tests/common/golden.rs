@@ -98,6 +98,7 @@ pub fn greedy_options(golden: &DecoderGolden) -> DecodeOptions {
         eos_token_id: 0,
         sampling: Sampling::Greedy,
         stop_token_ids: vec![0],
+        kv_cache: Default::default(),
         cancellation: Default::default(),
     }
 }

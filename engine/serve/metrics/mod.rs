@@ -304,6 +304,7 @@ impl Metrics {
     fn snapshot_engine(&self, session: &Session) {
         let mut stats = RunStats::new(&[], session.stats(), &session.plan, &session.options.cache);
         stats.profile = self.model.profile.clone();
+        stats.kv_cache = session.options.decode.kv_cache;
         let slots = session
             .buffer
             .as_buffer()

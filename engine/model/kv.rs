@@ -1,0 +1,422 @@
+//! Attention caches held in a chosen format ([`KvFormat`]): f32 (the parity reference, and the
+//! default), f16, or INT8 in blocks of [`INT8_BLOCK`] values with one f32 scale each.
+//!
+//! A decode step reads its whole cache: for an encoder-decoder, the cross-attention keys and
+//! values over the source, every layer, every step (26 MB of f32 for switch-base-8 over a
+//! 353-token dialogue, more than a quarter of what an INT8 step reads besides). Held narrower,
+//! the step reads fewer bytes. Attention itself stays f32: a row is widened (f16, exactly) or
+//! dequantized (INT8: code × scale) into a small scratch row as the walk reaches it, so the
+//! result is, bit for bit, the f32 attention over the rounded cache.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::quant::kernels::{self, prefetch_bytes};
+
+/// How an attention cache holds its keys and values (`--kv-cache`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvFormat {
+    /// As computed: the attention of the reference.
+    #[default]
+    F32,
+    /// Rounded to half precision (llama.cpp's default cache type).
+    F16,
+    /// Blocks of [`INT8_BLOCK`] values within a row, each `code × scale` with `scale = max |x|
+    /// / 127`: error at most half a step, `max |x| / 254`, per value.
+    Int8,
+}
+
+/// Values per INT8 block (one f32 scale each), as in llama.cpp's `Q8_0`; a row's last block
+/// may be shorter.
+pub const INT8_BLOCK: usize = 32;
+
+impl KvFormat {
+    pub const ALL: [KvFormat; 3] = [KvFormat::F32, KvFormat::F16, KvFormat::Int8];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvFormat::F32 => "f32",
+            KvFormat::F16 => "f16",
+            KvFormat::Int8 => "int8",
+        }
+    }
+
+    /// Bytes held for `rows` rows of `width` values.
+    pub fn bytes(self, rows: u64, width: u64) -> u64 {
+        let values = rows.saturating_mul(width);
+        match self {
+            KvFormat::F32 => values.saturating_mul(4),
+            KvFormat::F16 => values.saturating_mul(2),
+            KvFormat::Int8 => {
+                let scales = rows.saturating_mul(width.div_ceil(INT8_BLOCK as u64));
+                values.saturating_add(scales.saturating_mul(4))
+            }
+        }
+    }
+}
+
+impl fmt::Display for KvFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for KvFormat {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        KvFormat::ALL
+            .into_iter()
+            .find(|format| format.name() == text)
+            .ok_or_else(|| format!("`{text}` is not a KV cache format: f32, f16 or int8"))
+    }
+}
+
+/// Token-major rows of `width` values a cached attention walks ([`super::layers::CachedKv`]),
+/// each row handed over as f32.
+pub trait KvRows {
+    /// Rows held.
+    fn rows(&self, width: usize) -> usize;
+
+    /// Row `t`'s values: the stored row itself where it is f32, else widened into `scratch`
+    /// (`width` values).
+    fn row<'s>(&'s self, t: usize, width: usize, scratch: &'s mut [f32]) -> &'s [f32];
+
+    /// Asks for row `t`'s bytes ahead of their use (a hint; `t` may be past the end).
+    fn prefetch(&self, t: usize, width: usize);
+}
+
+impl KvRows for [f32] {
+    fn rows(&self, width: usize) -> usize {
+        self.len() / width.max(1)
+    }
+
+    #[inline(always)]
+    fn row<'s>(&'s self, t: usize, width: usize, _scratch: &'s mut [f32]) -> &'s [f32] {
+        &self[t * width..(t + 1) * width]
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, t: usize, width: usize) {
+        prefetch_bytes(self.as_ptr().wrapping_add(t * width).cast(), width * 4);
+    }
+}
+
+/// f16 rows, two little-endian bytes per value (what the widening kernels read).
+pub struct F16Rows(Vec<u8>);
+
+impl F16Rows {
+    pub fn new(values: &[f32]) -> Self {
+        let mut bytes = Vec::with_capacity(2 * values.len());
+        bytes.extend(
+            values
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes()),
+        );
+        F16Rows(bytes)
+    }
+}
+
+impl KvRows for F16Rows {
+    fn rows(&self, width: usize) -> usize {
+        self.0.len() / 2 / width.max(1)
+    }
+
+    #[inline(always)]
+    fn row<'s>(&'s self, t: usize, width: usize, scratch: &'s mut [f32]) -> &'s [f32] {
+        let out = &mut scratch[..width];
+        (kernels::best().widen_f16)(&self.0[2 * t * width..2 * (t + 1) * width], out);
+        out
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, t: usize, width: usize) {
+        prefetch_bytes(self.0.as_ptr().wrapping_add(2 * t * width), width * 2);
+    }
+}
+
+/// INT8 rows: per row, blocks of [`INT8_BLOCK`] codes with one f32 scale each.
+pub struct Int8Rows {
+    codes: Vec<i8>,
+    /// `blocks_per_row` per row.
+    scales: Vec<f32>,
+    blocks_per_row: usize,
+}
+
+impl Int8Rows {
+    /// `values` (`rows × width`) quantized block by block within each row.
+    pub fn new(values: &[f32], width: usize) -> Self {
+        let width = width.max(1);
+        let blocks_per_row = width.div_ceil(INT8_BLOCK);
+        let mut codes = Vec::with_capacity(values.len());
+        let mut scales = Vec::with_capacity(values.len() / width * blocks_per_row);
+        for row in values.chunks(width) {
+            for block in row.chunks(INT8_BLOCK) {
+                let max = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let scale = max / 127.0;
+                scales.push(scale);
+                codes.extend(block.iter().map(|&x| {
+                    if scale > 0.0 {
+                        // `as` saturates (and maps NaN to 0); the clamp keeps -128 unused.
+                        ((x / scale).round() as i8).max(-127)
+                    } else {
+                        0
+                    }
+                }));
+            }
+        }
+        Int8Rows {
+            codes,
+            scales,
+            blocks_per_row,
+        }
+    }
+}
+
+impl KvRows for Int8Rows {
+    fn rows(&self, width: usize) -> usize {
+        self.codes.len() / width.max(1)
+    }
+
+    #[inline(always)]
+    fn row<'s>(&'s self, t: usize, width: usize, scratch: &'s mut [f32]) -> &'s [f32] {
+        let out = &mut scratch[..width];
+        let codes = &self.codes[t * width..(t + 1) * width];
+        let scales = &self.scales[t * self.blocks_per_row..(t + 1) * self.blocks_per_row];
+        for ((out, codes), &scale) in out
+            .chunks_mut(INT8_BLOCK)
+            .zip(codes.chunks(INT8_BLOCK))
+            .zip(scales)
+        {
+            for (o, &c) in out.iter_mut().zip(codes) {
+                *o = c as f32 * scale;
+            }
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, t: usize, width: usize) {
+        prefetch_bytes(self.codes.as_ptr().wrapping_add(t * width).cast(), width);
+    }
+}
+
+/// One attention cache's keys and values (`[len, width]` each, token-major) in one format.
+pub enum KvCacheRows {
+    F32 { keys: Vec<f32>, values: Vec<f32> },
+    F16 { keys: F16Rows, values: F16Rows },
+    Int8 { keys: Int8Rows, values: Int8Rows },
+}
+
+impl KvCacheRows {
+    /// `keys` and `values` (rows of `width` values) held as `format`.
+    pub fn new(format: KvFormat, keys: Vec<f32>, values: Vec<f32>, width: usize) -> Self {
+        match format {
+            KvFormat::F32 => KvCacheRows::F32 { keys, values },
+            KvFormat::F16 => KvCacheRows::F16 {
+                keys: F16Rows::new(&keys),
+                values: F16Rows::new(&values),
+            },
+            KvFormat::Int8 => KvCacheRows::Int8 {
+                keys: Int8Rows::new(&keys, width),
+                values: Int8Rows::new(&values, width),
+            },
+        }
+    }
+
+    pub fn format(&self) -> KvFormat {
+        match self {
+            KvCacheRows::F32 { .. } => KvFormat::F32,
+            KvCacheRows::F16 { .. } => KvFormat::F16,
+            KvCacheRows::Int8 { .. } => KvFormat::Int8,
+        }
+    }
+
+    /// Bytes the keys and values hold (allocated, not only used).
+    pub fn held_bytes(&self) -> u64 {
+        let bytes = match self {
+            KvCacheRows::F32 { keys, values } => 4 * (keys.capacity() + values.capacity()),
+            KvCacheRows::F16 { keys, values } => keys.0.capacity() + values.0.capacity(),
+            KvCacheRows::Int8 { keys, values } => [keys, values]
+                .iter()
+                .map(|rows| rows.codes.capacity() + 4 * rows.scales.capacity())
+                .sum(),
+        };
+        bytes as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::layers::CachedKv;
+    use super::*;
+
+    fn bits(values: &[f32]) -> Vec<u32> {
+        values.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Keys or values of `rows × width`, with blocks of very different sizes (a key's scale is
+    /// its block's) and an all-zero block.
+    fn cache_values(rows: usize, width: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
+        (0..rows * width)
+            .map(|i| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let unit = (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                let block = i % width / INT8_BLOCK;
+                match block % 3 {
+                    0 => unit * 8.0,
+                    1 => unit * 0.01,
+                    _ if i / width == 1 => 0.0,
+                    _ => unit,
+                }
+            })
+            .collect()
+    }
+
+    /// `values` as the INT8 format should hold them, written from its definition: per row,
+    /// per block of 32, `round(x / s) × s` with `s = max |x| / 127`.
+    fn int8_reference(values: &[f32], width: usize) -> Vec<f32> {
+        let mut out = Vec::new();
+        for row in values.chunks(width) {
+            for block in row.chunks(INT8_BLOCK) {
+                let scale = block.iter().map(|x| x.abs()).fold(0f32, f32::max) / 127.0;
+                out.extend(block.iter().map(|&x| {
+                    if scale == 0.0 {
+                        0.0
+                    } else {
+                        // (+ 0.0: a code of 0 is +0, whatever the sign rounded to it)
+                        (x / scale).round() * scale + 0.0
+                    }
+                }));
+            }
+        }
+        out
+    }
+
+    /// Each format's attention is the f32 attention over its rounded values, bit for bit (rows
+    /// widened or dequantized as the walk reaches them), for one query and for three sharing a
+    /// walk; INT8 stays within half a step of the values, and both narrower formats do change
+    /// the result.
+    #[test]
+    fn narrow_caches_attend_as_f32_over_their_rounded_values() {
+        for (heads, hd, rows) in [(4, 16, 7), (12, 64, 40), (3, 40, 5)] {
+            let width = heads * hd;
+            let keys = cache_values(rows, width, 0x9e37_79b9_7f4a_7c15);
+            let values = cache_values(rows, width, 0x2545_f491_4f6c_dd1d);
+            let queries: Vec<f32> = cache_values(3, width, 7).iter().map(|x| x / 4.0).collect();
+            let attend = |keys: &dyn Fn() -> Vec<f32>, values: &dyn Fn() -> Vec<f32>| {
+                let (k, v) = (keys(), values());
+                let cache = CachedKv {
+                    keys: &k[..],
+                    values: &v[..],
+                    kv_heads: heads,
+                    head_dim: hd,
+                };
+                cache.attend_each(&queries, 3, 0, 1.0, None)
+            };
+            let exact = attend(&|| keys.clone(), &|| values.clone());
+            let f16_values = |v: &[f32]| -> Vec<f32> {
+                v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+            };
+            let want = [
+                (
+                    KvFormat::F16,
+                    attend(&|| f16_values(&keys), &|| f16_values(&values)),
+                ),
+                (
+                    KvFormat::Int8,
+                    attend(&|| int8_reference(&keys, width), &|| {
+                        int8_reference(&values, width)
+                    }),
+                ),
+            ];
+            for (format, want) in want {
+                let case = format!("{format}: {heads} heads × {hd}, {rows} rows");
+                let cache = KvCacheRows::new(format, keys.clone(), values.clone(), width);
+                assert_eq!(cache.format(), format);
+                let got = match &cache {
+                    KvCacheRows::F16 { keys, values } => CachedKv {
+                        keys,
+                        values,
+                        kv_heads: heads,
+                        head_dim: hd,
+                    }
+                    .attend_each(&queries, 3, 0, 1.0, None),
+                    KvCacheRows::Int8 { keys, values } => CachedKv {
+                        keys,
+                        values,
+                        kv_heads: heads,
+                        head_dim: hd,
+                    }
+                    .attend_each(&queries, 3, 0, 1.0, None),
+                    KvCacheRows::F32 { .. } => panic!("{case}: held as f32"),
+                };
+                assert_eq!(bits(&got), bits(&want), "{case}");
+                assert_ne!(bits(&got), bits(&exact), "{case}: the rounding is applied");
+                // Every row handed out is the rounded row, and `rows` counts them.
+                let (reference, rows_held): (Vec<f32>, usize) = match &cache {
+                    KvCacheRows::F16 { keys: k, .. } => (f16_values(&keys), k.rows(width)),
+                    KvCacheRows::Int8 { keys: k, .. } => {
+                        (int8_reference(&keys, width), k.rows(width))
+                    }
+                    KvCacheRows::F32 { .. } => unreachable!(),
+                };
+                assert_eq!(rows_held, rows, "{case}");
+                let mut scratch = vec![f32::NAN; width];
+                for t in 0..rows {
+                    let row = match &cache {
+                        KvCacheRows::F16 { keys, .. } => keys.row(t, width, &mut scratch).to_vec(),
+                        KvCacheRows::Int8 { keys, .. } => keys.row(t, width, &mut scratch).to_vec(),
+                        KvCacheRows::F32 { .. } => unreachable!(),
+                    };
+                    assert_eq!(
+                        bits(&row),
+                        bits(&reference[t * width..][..width]),
+                        "{case}, row {t}"
+                    );
+                }
+            }
+            // INT8's error: at most half a step of each value's block.
+            let held = int8_reference(&keys, width);
+            for (row, held) in keys.chunks(width).zip(held.chunks(width)) {
+                for (block, held) in row.chunks(INT8_BLOCK).zip(held.chunks(INT8_BLOCK)) {
+                    let step = block.iter().map(|x| x.abs()).fold(0f32, f32::max) / 127.0;
+                    for (x, q) in block.iter().zip(held) {
+                        assert!((x - q).abs() <= step * 0.5001, "{x} held as {q}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The formats' names round-trip, an unknown one is refused by name, and
+    /// [`KvFormat::bytes`] (what the budget sets aside) is what a cache of that size holds.
+    #[test]
+    fn kv_formats_parse_and_count_the_bytes_they_hold() {
+        for format in KvFormat::ALL {
+            assert_eq!(format.name().parse::<KvFormat>(), Ok(format));
+            assert_eq!(format.to_string(), format.name());
+        }
+        let err = "q4".parse::<KvFormat>().unwrap_err();
+        assert!(
+            err.contains("`q4`") && err.contains("f32, f16 or int8"),
+            "{err}"
+        );
+        for (rows, width) in [(353, 768), (5, 40), (1, 33)] {
+            for format in KvFormat::ALL {
+                let values = cache_values(rows, width, 3);
+                let cache = KvCacheRows::new(format, values.clone(), values, width);
+                assert_eq!(
+                    cache.held_bytes(),
+                    2 * format.bytes(rows as u64, width as u64),
+                    "{format}: {rows} rows of {width}"
+                );
+            }
+        }
+        assert_eq!(KvFormat::Int8.bytes(2, 33), 2 * 33 + 2 * 2 * 4);
+    }
+}

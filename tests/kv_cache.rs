@@ -1,0 +1,196 @@
+//! The cross-attention cache held narrower than f32 (`--kv-cache f16|int8`).
+//!
+//! - On both Switch fixtures' golden cases (different inputs, different outputs): an f16 or INT8
+//!   cache gives transformers' greedy and beam tokens and logits within a stated tolerance of
+//!   the f32 golden, while its logits differ from the f32 cache's (the rounding is applied).
+//! - f16 resident weights with an f16 cache against `half_golden.json` (transformers on the
+//!   same weights rounded to f16): the same greedy tokens.
+//! - The CLI: the flag reaches the run (`--ids` differ in the logits' effect only through it, so
+//!   the stats name the format), a wrong format is a usage error, a decoder-only model refuses
+//!   it.
+
+mod common;
+
+use common::golden::switch_golden;
+use edgemoe::bundle::Bundle;
+use edgemoe::config::EarlyStopping;
+use edgemoe::generation::decoding::DecodeOptions;
+use edgemoe::generation::sampling::Sampling;
+use edgemoe::generation::seq2seq::generate;
+use edgemoe::model::KvFormat;
+use edgemoe::runtime::buffer::ExpertBuffer;
+
+/// How far a narrower cache may move a logit, relative as in `common::assert_close`
+/// (`|got − want| / (1 + |want|)`). f16 rounds each key and value by at most 2⁻¹¹ of itself,
+/// INT8 by at most 1/254 of its block's largest; T5's attention does not scale its scores, so a
+/// key's error reaches them multiplied by the query. Measured: f16 up to 1.2e-3, INT8 up to
+/// 3.6e-2 (tiny-untied-e8; 1.7e-4 and 2.6e-3 on tiny-tied-e4).
+fn tolerance(format: KvFormat) -> f32 {
+    match format {
+        KvFormat::F32 => common::TOLERANCE,
+        KvFormat::F16 => 2e-3,
+        KvFormat::Int8 => 5e-2,
+    }
+}
+
+fn worst_relative(got: &[f32], want: &[f32]) -> f32 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+        .fold(0.0, f32::max)
+}
+
+fn greedy(max_new_tokens: usize, kv_cache: KvFormat) -> DecodeOptions {
+    DecodeOptions {
+        max_new_tokens,
+        num_beams: 1,
+        length_penalty: 1.0,
+        early_stopping: EarlyStopping::False,
+        no_repeat_ngram_size: 0,
+        decoder_start_token_id: 0,
+        eos_token_id: 1,
+        sampling: Sampling::Greedy,
+        stop_token_ids: vec![1],
+        kv_cache,
+        cancellation: Default::default(),
+    }
+}
+
+#[test]
+fn narrower_cross_attention_caches_keep_transformers_tokens() {
+    for name in ["tiny-untied-e8", "tiny-tied-e4"] {
+        let golden = switch_golden(name);
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = Bundle::open(&common::convert_to(&common::fixture(name), dir.path())).unwrap();
+        let spec = bundle.config.model.clone();
+        let model = common::engine::load_switch(&bundle);
+        let experts = bundle.open_store().unwrap().index().experts.len();
+        let mut buffer = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, experts);
+        let outputs: std::collections::BTreeSet<(&Vec<i64>, &Vec<i64>)> =
+            golden.cases.iter().map(|c| (&c.greedy, &c.beam)).collect();
+        assert!(outputs.len() > 1, "{name}: the cases' outputs differ");
+        for format in [KvFormat::F16, KvFormat::Int8] {
+            let greedy = greedy(golden.max_new_tokens, format);
+            let beam = DecodeOptions {
+                num_beams: golden.beam.num_beams,
+                length_penalty: golden.beam.length_penalty.unwrap_or(1.0),
+                early_stopping: match golden.beam.early_stopping {
+                    Some(true) => EarlyStopping::True,
+                    _ => EarlyStopping::False,
+                },
+                no_repeat_ngram_size: golden.beam.no_repeat_ngram_size.unwrap_or(0),
+                ..greedy.clone()
+            };
+            let mut effect = 0f32;
+            for (i, case) in golden.cases.iter().enumerate() {
+                let what = format!("{name} case {i}, {format} cache");
+                let generation = generate(&model, &mut buffer, &case.input_ids, &greedy).unwrap();
+                assert_eq!(generation.tokens, case.greedy, "{what}: greedy tokens");
+                // INT8 moves scores enough to reorder the near-tied beams of these random
+                // fixtures; f16 does not.
+                if format == KvFormat::F16 {
+                    let generation = generate(&model, &mut buffer, &case.input_ids, &beam).unwrap();
+                    assert_eq!(generation.tokens, case.beam, "{what}: beam tokens");
+                }
+
+                let encoded = model
+                    .encode(&case.input_ids, &mut buffer, &mut Vec::new())
+                    .unwrap();
+                let mut narrow = model.start_decoder(&encoded, 1, format).unwrap();
+                let mut exact = model.start_decoder(&encoded, 1, KvFormat::F32).unwrap();
+                let mut token = 0;
+                for (step, want) in case.step_logits.iter().enumerate() {
+                    let mut logits = |state| {
+                        let l = model
+                            .decode_step(&[token], state, &mut buffer, &mut Vec::new())
+                            .unwrap();
+                        Vec::<f32>::try_from(l.flatten(0, -1)).unwrap()
+                    };
+                    let (got, f32_cache) = (logits(&mut narrow), logits(&mut exact));
+                    let worst = worst_relative(&got, want);
+                    assert!(
+                        worst <= tolerance(format),
+                        "{what}: logits at step {step} {worst} from the golden's, above {}",
+                        tolerance(format)
+                    );
+                    common::assert_close(&format!("{what}: f32 cache"), &f32_cache, want);
+                    effect = effect.max(worst_relative(&got, &f32_cache));
+                    token = case.greedy[step];
+                }
+            }
+            // The narrower cache really is narrower: its logits are not the f32 cache's.
+            assert!(
+                effect > 1e-5,
+                "{name}: a {format} cache gives the f32 cache's logits ({effect})"
+            );
+            eprintln!("{name}: {format} cache moves the logits by up to {effect:.2e}");
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct HalfGolden {
+    entries: Vec<HalfEntry>,
+}
+
+#[derive(serde::Deserialize)]
+struct HalfEntry {
+    model: String,
+    dtype: String,
+    experts: String,
+    cases: Vec<HalfCase>,
+}
+
+#[derive(serde::Deserialize)]
+struct HalfCase {
+    input_ids: Vec<i64>,
+    greedy: Vec<i64>,
+}
+
+#[test]
+fn f16_resident_weights_with_an_f16_cache_keep_the_half_golden_tokens() {
+    use edgemoe::offline::bit_plan::BitPlan;
+    use edgemoe::offline::convert::ResidentWidth;
+    use edgemoe::store::ExpertEncoding;
+    use edgemoe::weights::WeightDtype;
+
+    let golden: HalfGolden = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("half_golden.json")).unwrap(),
+    )
+    .unwrap();
+    let entries: Vec<&HalfEntry> = golden
+        .entries
+        .iter()
+        .filter(|e| e.dtype == "f16" && e.model != "tiny-olmoe")
+        .collect();
+    assert!(!entries.is_empty(), "a Switch entry at f16");
+    for entry in entries {
+        let bits = match entry.experts.as_str() {
+            "rounded" => BitPlan::uniform(ExpertEncoding::Float(WeightDtype::F16)),
+            _ => BitPlan::default(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let out = common::convert_at(
+            &common::fixture(&entry.model),
+            dir.path(),
+            bits,
+            ResidentWidth::F16,
+        );
+        let bundle = Bundle::open(&out).unwrap();
+        let spec = bundle.config.model.clone();
+        let model = common::engine::load_switch(&bundle);
+        let experts = bundle.open_store().unwrap().index().experts.len();
+        let mut buffer = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, experts);
+        for (i, case) in entry.cases.iter().enumerate() {
+            let options = greedy(case.greedy.len().max(24), KvFormat::F16);
+            let tokens = generate(&model, &mut buffer, &case.input_ids, &options)
+                .unwrap()
+                .tokens;
+            assert_eq!(
+                tokens, case.greedy,
+                "{} experts {} case {i}: greedy tokens with an f16 cache",
+                entry.model, entry.experts
+            );
+        }
+    }
+}
