@@ -42,7 +42,7 @@ read from ../shared at run time, never copied into the repository.
 
 Usage (after ./setup.sh and cargo build --release; ~8 GB of disk under --out, ~2 minutes with cached bundles):
     benches/vs_transformers.sh            # or:
-    .venv/bin/python benches/vs_transformers.py [--pairs f32:f32] [--rounds 5] [--out target/vs-tf]
+    .venv/bin/python benches/vs_transformers.py [--pairs f32:f32,8:int8:int8] [--rounds 5] [--out target/vs-tf]
 """
 
 import argparse
@@ -143,7 +143,8 @@ class Engine:
                  beams=1):
         self.binary, self.out, self.doc_path, self.beams = binary, out, doc_path, beams
         self.source_tokens, self.new_tokens = source_tokens, new_tokens
-        self.bits, resident = pair
+        self.bits, resident = pair[:2]
+        self.kv_cache = pair[2] if len(pair) > 2 else None  # --kv-cache, when a third field names one
         self.resident = None
         if resident_ok:
             # A --resident the binary accepts but refuses for this width falls back to none.
@@ -152,6 +153,8 @@ class Engine:
         if self.resident is None:
             if not self.convert(ckpt, f"bundle-{self.bits}-noresident", reconvert, []):
                 sys.exit(f"edgemoe convert --bits {self.bits} failed")
+        if self.kv_cache:
+            self.name += f"-kv{self.kv_cache}"
 
     def convert(self, ckpt, name, reconvert, extra):
         self.name, self.bundle = name, os.path.join(self.out, name)
@@ -174,7 +177,7 @@ class Engine:
         cmd = [self.binary, "summarize", "--model", self.bundle, "--input", self.doc_path, "--mode", "io-free",
                "--threads", "1", "--max-new-tokens", str(self.new_tokens),
                "--max-source-tokens", str(self.source_tokens), "--beams", str(self.beams), "--no-repeat-ngram-size", "0",
-               "--ids", "-q", "--stats-json", stats_path]
+               "--ids", "-q", "--stats-json", stats_path] + (["--kv-cache", self.kv_cache] if self.kv_cache else [])
         if i == 0:
             log("$ " + " ".join(cmd))
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -212,7 +215,8 @@ def main():
     parser.add_argument("--doc-id", default="13829773", help="SAMSum id (test 13829773: 354 tokens)")
     parser.add_argument("--source-tokens", type=int, default=353)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--pairs", default="f32:f32,f16:f16,8:int8", help="expert bits:resident dtype, ...")
+    parser.add_argument("--pairs", default="f32:f32,f16:f16,8:int8",
+                        help="expert bits:resident dtype[:kv cache format], ... (e.g. 8:int8:int8)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds, each one transformers encoder run + greedy decode and one engine run per pair")
     parser.add_argument("--beams", type=int, default=1,
@@ -265,7 +269,7 @@ def main():
     engine = []
     for e, runs in zip(engines, engine_runs):
         r = summary(runs)
-        r.update({"bundle": e.bundle, "bits": e.bits, "resident": e.resident,
+        r.update({"bundle": e.bundle, "bits": e.bits, "resident": e.resident, "kv_cache": e.kv_cache or "f32",
                   "resident_bytes": runs[0]["resident_bytes"], "peak_rss_bytes": runs[0]["peak_rss_bytes"],
                   "same_tokens_as_transformers": common_prefix(r["tokens"], tf["tokens"])})
         engine.append(r)
@@ -283,17 +287,18 @@ def main():
           f"torch {torch.__version__}, transformers {transformers.__version__}; "
           f"load average {load_start:.1f} at the start, {load_end:.1f} at the end on {os.cpu_count()} cores")
     rows = [("transformers eager f32", tf)] + [
-        (f"edgemoe {r['bits']} / " + (f"res {r['resident']}" if r["resident"] else "res f32*"), r) for r in engine]
+        (f"edgemoe {r['bits']} / " + (f"res {r['resident']}" if r["resident"] else "res f32*")
+         + (f" kv {r['kv_cache']}" if r["kv_cache"] != "f32" else ""), r) for r in engine]
     for best in (False, True):
         k = (lambda key: f"best_{key}") if best else (lambda key: key)
         print(f"\n{'best' if best else 'median'} of {args.rounds} rounds"
               + (" (the least disturbed by other load)" if best else "") + ":")
-        head = (f"{'run (experts / resident)':<28} {'encoder ms':>10} {'dec ms/tok p50':>14} {'mean':>7} "
+        head = (f"{'run (experts / resident)':<32} {'encoder ms':>10} {'dec ms/tok p50':>14} {'mean':>7} "
                 f"{'tokens':>6} {'= tf':>4} {'enc x':>6} {'dec x p50':>9} {'x mean':>6}")
         print(head)
         print("-" * len(head))
         for label, r in rows:
-            line = (f"{label:<28} {r[k('encode_ms')]:>10.1f} {r[k('p50_ms')]:>14.2f} "
+            line = (f"{label:<32} {r[k('encode_ms')]:>10.1f} {r[k('p50_ms')]:>14.2f} "
                     f"{r[k('decode_ms_per_token')]:>7.2f} {len(r['tokens']):>6}")
             if r is not tf:
                 line += (f" {r['same_tokens_as_transformers']:>4} {tf[k('encode_ms')] / r[k('encode_ms')]:>6.2f} "
