@@ -217,7 +217,7 @@ fn check_decoder(name: &str, bundle: &Bundle) {
             assert_eq!(g.routes[0].tokens(), case.input_ids.len());
 
             // Logits after the prompt and after each of the first greedy tokens.
-            let mut cache = model.new_cache();
+            let mut cache = model.new_cache(KvFormat::F32);
             let mut feed = case.input_ids.clone();
             for (step, want) in case.step_logits.iter().enumerate() {
                 let logits = model
@@ -235,7 +235,7 @@ fn check_decoder(name: &str, bundle: &Bundle) {
             let half = ids.len() / 2;
             for pieces in [vec![&ids[..half], &ids[half..]], ids.chunks(1).collect()] {
                 let what = format!("{name} case {i}, prompt in {} pieces", pieces.len());
-                let mut cache = model.new_cache();
+                let mut cache = model.new_cache(KvFormat::F32);
                 let mut logits = None;
                 for piece in pieces {
                     logits = Some(

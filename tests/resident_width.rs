@@ -93,7 +93,7 @@ fn run(bundle: &Bundle, case: &Case) -> (Vec<i64>, Vec<Vec<f32>>) {
             })
             .unwrap()
             .tokens;
-            let mut cache = model.new_cache();
+            let mut cache = model.new_cache(KvFormat::F32);
             let mut feed = case.input_ids.clone();
             let mut logits = Vec::new();
             for step in 0..steps {

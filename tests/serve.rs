@@ -281,6 +281,47 @@ fn streamed_completions_equal_generate_on_every_decoder_architecture() {
     }
 }
 
+/// A server started with `--kv-cache int8` decodes with that cache: its completions equal
+/// `generate --kv-cache int8`, on prompts where some differ from the f32 cache's, and `/stats`
+/// names the format.
+#[test]
+fn a_servers_kv_cache_is_the_one_its_completions_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::convert_to(&common::fixture("tiny-olmoe"), &dir.path().join("b"));
+    let b = bundle.to_str().unwrap();
+    let server = Server::start(&["--model", b, "--kv-cache", "int8"], &[]);
+    let mut differs = 0;
+    for prompt in [
+        "Edge devices run",
+        "The cache holds",
+        "Boards read flash",
+        "One two three",
+    ] {
+        let generate = |format: &str| {
+            ids_of(&cli(&[
+                "generate",
+                "--model",
+                b,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "24",
+                "--kv-cache",
+                format,
+                "--ids",
+                "-q",
+            ]))
+        };
+        let (int8, f32) = (generate("int8"), generate("f32"));
+        differs += usize::from(int8 != f32);
+        let body = json!({"prompt": prompt, "max_tokens": 24, "stream": true});
+        let (got, _, _) = streamed(&server, "/v1/completions", &body);
+        assert_eq!(got, int8, "{prompt}: the server's tokens");
+    }
+    assert!(differs > 0, "no prompt tells the INT8 cache from f32");
+    assert_eq!(server.get("/stats").json()["engine"]["kv_cache"], "int8");
+}
+
 #[test]
 fn bad_requests_get_json_errors_naming_what_was_wrong() {
     let dir = tempfile::tempdir().unwrap();

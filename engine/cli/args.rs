@@ -146,9 +146,10 @@ pub struct CacheArgs {
     /// reads to the profile's bandwidth and per-read latency.
     #[arg(long, value_name = "MODE", default_value = "direct", value_parser = parse_storage)]
     storage: StorageMode,
-    /// How an encoder-decoder holds its cross-attention keys and values, read whole at every
-    /// decode step: f32 (default, the reference's), f16 or int8 (blocks of 32 with a scale).
-    /// Narrower is faster and lossy.
+    /// How the attention cache holds its keys and values, read whole at every decode step (an
+    /// encoder-decoder's cross-attention, a decoder-only model's self-attention): f32 (default,
+    /// the reference's), f16 or int8 (blocks of 32 with a scale). Narrower is smaller, often
+    /// faster, and lossy.
     #[arg(long, value_name = "FORMAT", default_value = "f32")]
     kv_cache: KvFormat,
     /// Compute threads (default: the profile's, else the cores minus one for the prefetch thread).

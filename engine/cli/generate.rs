@@ -145,11 +145,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         out.flush()?;
     }
     session.buffer.finish_trace()?;
-    let stats = RunStats::new(
+    let mut stats = RunStats::new(
         &[(prompt_ids.len(), generated)],
         session.stats(),
         &session.plan,
         &session.options.cache,
     );
+    stats.kv_cache = session.options.decode.kv_cache;
     args.output.report(&stats)
 }

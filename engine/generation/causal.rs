@@ -43,7 +43,7 @@ pub fn complete(
         Sampling::TopP { seed, .. } => Some(SplitMix64::new(seed)),
         Sampling::Greedy => None,
     };
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache(options.kv_cache);
     options.cancellation.check()?;
     let started = Instant::now();
     let stalled = provider.stall_ms();

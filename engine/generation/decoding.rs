@@ -27,8 +27,8 @@ pub struct DecodeOptions {
     pub sampling: Sampling,
     /// Tokens that end a decoder-only generation (kept in the output).
     pub stop_token_ids: Vec<i64>,
-    /// How an encoder-decoder's cross-attention cache holds its keys and values (`--kv-cache`;
-    /// f32 unless asked).
+    /// How the attention cache holds its keys and values (`--kv-cache`; f32 unless asked): an
+    /// encoder-decoder's cross-attention, a decoder-only model's self-attention.
     pub kv_cache: KvFormat,
     /// Checked before the encoder pass or prefill and before every step: the call ends with
     /// [`Error::Cancelled`] once it fires (never, by default).

@@ -85,11 +85,6 @@ impl Session {
         let tokenizer = bundle.tokenizer()?;
         let model = bundle.load_model(options.device)?;
         let kv_cache = options.decode.kv_cache;
-        if kv_cache != KvFormat::F32 && !model.has_encoder() {
-            return Err(Error::Input(format!(
-                "--kv-cache {kv_cache}: a decoder-only model keeps its attention cache in f32 (the option holds an encoder-decoder's cross-attention cache)"
-            )));
-        }
         if kv_cache != KvFormat::F32 && options.device != Device::Cpu {
             return Err(Error::Input(format!(
                 "--kv-cache {kv_cache} holds the cache for the CPU's loops: on {:?} it is f32 (pass --kv-cache f32)",

@@ -21,9 +21,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::layers::{
-    gated_mlp, linear, linear_bias, repeat_kv, CachedKv, Linear, RmsNorm, Rotary, Weight,
-};
+use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, Linear, RmsNorm, Rotary, Weight};
 use super::moe::{moe_ffn, route_ahead, LayerRoute, Router, Routing};
 use crate::config::{DecoderFamily, DecoderSpec};
 use crate::error::{Error, Result};
@@ -32,6 +30,7 @@ use crate::ids::Stack;
 use crate::model::provider::ExpertProvider;
 use crate::weights::{Stored, WeightFiles};
 
+use super::kv::{KvCacheRows, KvFormat};
 use super::RunShape;
 use crate::quant::matrix::gemm_scratch_values;
 use crate::quant::parallel::compute_threads;
@@ -174,23 +173,26 @@ pub struct KvCache {
     len: i64,
 }
 
-/// One layer's cached keys (after RoPE) and values, token-major `[len, KV × hd]`: a decode
-/// step appends its token's in place instead of copying the whole cache into a new tensor.
-#[derive(Default)]
+/// One layer's cached keys (after RoPE) and values, token-major `[len, KV × hd]`, in the run's
+/// [`KvFormat`]: a decode step appends its token's in place instead of copying the whole cache
+/// into a new tensor.
 struct LayerKv {
-    keys: Vec<f32>,
-    values: Vec<f32>,
+    rows: KvCacheRows,
+    /// `KV × hd`: one token's values.
+    width: usize,
 }
 
 impl LayerKv {
-    /// The cache as the tensors `[1, KV, len, hd]` the prompt path attends over (a copy).
+    /// The cache as the tensors `[1, KV, len, hd]` the prompt path attends over (a copy, the
+    /// values as held: rounded where the format rounds).
     fn tensors(&self, kv_heads: i64, hd: i64) -> Result<(Tensor, Tensor)> {
         let heads = |values: &[f32]| -> Result<Tensor> {
             Ok(Tensor::f_from_slice(values)?
                 .f_view([1, -1, kv_heads, hd])?
                 .f_transpose(1, 2)?)
         };
-        Ok((heads(&self.keys)?, heads(&self.values)?))
+        let (keys, values) = self.rows.to_f32(self.width);
+        Ok((heads(&keys)?, heads(&values)?))
     }
 
     /// Appends `keys` and `values` `[1, KV, n, hd]`.
@@ -200,8 +202,8 @@ impl LayerKv {
                 &t.f_transpose(1, 2)?.f_contiguous()?.f_reshape([-1])?,
             )?)
         };
-        self.keys.extend(token_major(keys)?);
-        self.values.extend(token_major(values)?);
+        self.rows
+            .extend(&token_major(keys)?, &token_major(values)?, self.width);
         Ok(())
     }
 }
@@ -346,10 +348,16 @@ impl DecoderOnlyModel {
         self.resident_bytes
     }
 
-    /// An empty cache for one sequence.
-    pub fn new_cache(&self) -> KvCache {
+    /// An empty cache for one sequence, holding keys and values as `format`.
+    pub fn new_cache(&self, format: KvFormat) -> KvCache {
+        let width = self.spec.kv_dim();
         KvCache {
-            layers: (0..self.layers.len()).map(|_| LayerKv::default()).collect(),
+            layers: (0..self.layers.len())
+                .map(|_| LayerKv {
+                    rows: KvCacheRows::empty(format, width),
+                    width,
+                })
+                .collect(),
             len: 0,
         }
     }
@@ -514,19 +522,14 @@ impl DecoderOnlyModel {
                 *x2 = b * cos[i + half] + a * sin[i + half];
             }
         }
-        kv.keys.extend_from_slice(&k);
-        kv.values.extend_from_slice(&v);
+        kv.rows.extend(&k, &v, kv.width);
         let total = past as usize + 1;
         // Keys a sliding window hides: query − key ≥ window.
         let first = a.window.map_or(0, |w| total.saturating_sub(w));
-        let cached = CachedKv {
-            keys: &kv.keys[..],
-            values: &kv.values[..],
-            kv_heads,
-            head_dim: hd,
-        };
         let scaling = (hd as f64).powf(-0.5) as f32;
-        let out = cached.attend(&q, first, scaling, None);
+        let out = kv
+            .rows
+            .attend_each(kv_heads, hd, &q, 1, first, scaling, None);
         let out = Tensor::f_from_slice(&out)?.f_view([1, 1, (heads * hd) as i64])?;
         linear_bias(&out, &a.o, a.o_bias.as_ref())
     }
@@ -554,13 +557,21 @@ impl DecoderOnlyModel {
         let q = Rotary::apply(&heads_of(q, heads)?, cos, sin)?; // [1, H, n, hd]
         let k = Rotary::apply(&heads_of(k, kv_heads)?, cos, sin)?; // [1, KV, n, hd]
         let v = heads_of(v, kv_heads)?;
-        let (keys, values) = if past > 0 {
-            let (pk, pv) = kv.tensors(kv_heads, hd)?;
-            (Tensor::f_cat(&[&pk, &k], 2)?, Tensor::f_cat(&[&pv, &v], 2)?)
+        let (keys, values) = if kv.rows.format() != KvFormat::F32 {
+            // A narrower cache: the chunk attends over its own keys as held too, as a decode
+            // step does.
+            kv.append(&k, &v)?;
+            kv.tensors(kv_heads, hd)?
         } else {
-            (k.shallow_clone(), v.shallow_clone())
+            let (keys, values) = if past > 0 {
+                let (pk, pv) = kv.tensors(kv_heads, hd)?;
+                (Tensor::f_cat(&[&pk, &k], 2)?, Tensor::f_cat(&[&pv, &v], 2)?)
+            } else {
+                (k.shallow_clone(), v.shallow_clone())
+            };
+            kv.append(&k, &v)?;
+            (keys, values)
         }; // [1, KV, past + n, hd]
-        kv.append(&k, &v)?;
         let rep = heads / kv_heads;
         let keys_h = repeat_kv(&keys, rep)?; // [1, H, total, hd]
         let values_h = repeat_kv(&values, rep)?;
@@ -628,8 +639,11 @@ impl DecoderOnlyModel {
             + prompt * total
             + S(3) * prompt * n(widest_ff)
             + prompt * (n(spec.top_k) + S(1)) * d;
-        // The KV cache of every layer, up to the last token (and the copy a concatenation makes).
-        let caches = S(2) * n(spec.num_layers) * S(2) * kv * total;
+        // The KV cache of every layer up to the last token, keys and values, in the run's
+        // format, and the f32 copy a prompt chunk attends over.
+        let layers = n(spec.num_layers);
+        let caches: S<u64> =
+            S(2) * layers * S(run.kv_cache.bytes(total.0, kv.0)) + S(8u64) * layers * kv * total;
         // Logits, their softmax and sort for sampling.
         let logits = S(4) * n(spec.vocab_size);
         // The GEMM paths' tiles of dequantized weight rows per compute thread and their
@@ -638,7 +652,7 @@ impl DecoderOnlyModel {
             spec.hidden_size.max(widest_ff),
             compute_threads(),
         ));
-        (f * (prefill + caches + logits + expert_scratch)).0
+        (f * (prefill + logits + expert_scratch) + caches).0
     }
 }
 

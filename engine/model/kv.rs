@@ -3,14 +3,17 @@
 //!
 //! A decode step reads its whole cache: for an encoder-decoder, the cross-attention keys and
 //! values over the source, every layer, every step (26 MB of f32 for switch-base-8 over a
-//! 353-token dialogue, more than a quarter of what an INT8 step reads besides). Held narrower,
-//! the step reads fewer bytes. Attention itself stays f32: a row is widened (f16, exactly) or
-//! dequantized (INT8: code × scale) into a small scratch row as the walk reaches it, so the
-//! result is, bit for bit, the f32 attention over the rounded cache.
+//! 353-token dialogue, more than a quarter of what an INT8 step reads besides); for a
+//! decoder-only model, the self-attention keys and values of the prompt and every token since,
+//! each row quantized on its own as it is appended. Held narrower, the step reads fewer bytes.
+//! Attention itself stays f32: a row is widened (f16, exactly) or dequantized (INT8: code ×
+//! scale) into a small scratch row as the walk reaches it, so the result is, bit for bit, the
+//! f32 attention over the rounded cache.
 
 use std::fmt;
 use std::str::FromStr;
 
+use super::layers::CachedKv;
 use crate::quant::kernels::{self, prefetch_bytes};
 
 /// How an attention cache holds its keys and values (`--kv-cache`).
@@ -108,13 +111,18 @@ pub struct F16Rows(Vec<u8>);
 
 impl F16Rows {
     pub fn new(values: &[f32]) -> Self {
-        let mut bytes = Vec::with_capacity(2 * values.len());
-        bytes.extend(
+        let mut rows = F16Rows(Vec::with_capacity(2 * values.len()));
+        rows.extend(values);
+        rows
+    }
+
+    /// Appends `values` (whole rows).
+    pub fn extend(&mut self, values: &[f32]) {
+        self.0.extend(
             values
                 .iter()
                 .flat_map(|&x| half::f16::from_f32(x).to_le_bytes()),
         );
-        F16Rows(bytes)
     }
 }
 
@@ -149,14 +157,23 @@ impl Int8Rows {
     pub fn new(values: &[f32], width: usize) -> Self {
         let width = width.max(1);
         let blocks_per_row = width.div_ceil(INT8_BLOCK);
-        let mut codes = Vec::with_capacity(values.len());
-        let mut scales = Vec::with_capacity(values.len() / width * blocks_per_row);
-        for row in values.chunks(width) {
+        let mut rows = Int8Rows {
+            codes: Vec::with_capacity(values.len()),
+            scales: Vec::with_capacity(values.len() / width * blocks_per_row),
+            blocks_per_row,
+        };
+        rows.extend(values, width);
+        rows
+    }
+
+    /// Appends `values` (whole rows of `width`), each row's blocks quantized on their own.
+    pub fn extend(&mut self, values: &[f32], width: usize) {
+        for row in values.chunks(width.max(1)) {
             for block in row.chunks(INT8_BLOCK) {
                 let max = block.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let scale = max / 127.0;
-                scales.push(scale);
-                codes.extend(block.iter().map(|&x| {
+                self.scales.push(scale);
+                self.codes.extend(block.iter().map(|&x| {
                     if scale > 0.0 {
                         // `as` saturates (and maps NaN to 0); the clamp keeps -128 unused.
                         ((x / scale).round() as i8).max(-127)
@@ -165,11 +182,6 @@ impl Int8Rows {
                     }
                 }));
             }
-        }
-        Int8Rows {
-            codes,
-            scales,
-            blocks_per_row,
         }
     }
 }
@@ -222,6 +234,86 @@ impl KvCacheRows {
                 keys: Int8Rows::new(&keys, width),
                 values: Int8Rows::new(&values, width),
             },
+        }
+    }
+
+    /// An empty cache that rows are appended to ([`Self::extend`]).
+    pub fn empty(format: KvFormat, width: usize) -> Self {
+        Self::new(format, Vec::new(), Vec::new(), width)
+    }
+
+    /// Appends the rows of `keys` and `values` (`n × width` each).
+    pub fn extend(&mut self, keys: &[f32], values: &[f32], width: usize) {
+        match self {
+            KvCacheRows::F32 {
+                keys: held_keys,
+                values: held_values,
+            } => {
+                held_keys.extend_from_slice(keys);
+                held_values.extend_from_slice(values);
+            }
+            KvCacheRows::F16 {
+                keys: held_keys,
+                values: held_values,
+            } => {
+                held_keys.extend(keys);
+                held_values.extend(values);
+            }
+            KvCacheRows::Int8 {
+                keys: held_keys,
+                values: held_values,
+            } => {
+                held_keys.extend(keys, width);
+                held_values.extend(values, width);
+            }
+        }
+    }
+
+    /// The keys and values as the attention reads them (rounded where the format rounds), as
+    /// f32 rows: for attention in tensors over the whole cache.
+    pub fn to_f32(&self, width: usize) -> (Vec<f32>, Vec<f32>) {
+        fn widen<R: KvRows + ?Sized>(rows: &R, width: usize) -> Vec<f32> {
+            let mut out = vec![0f32; rows.rows(width) * width];
+            let mut scratch = vec![0f32; width];
+            for (t, out) in out.chunks_exact_mut(width.max(1)).enumerate() {
+                out.copy_from_slice(rows.row(t, width, &mut scratch));
+            }
+            out
+        }
+        match self {
+            KvCacheRows::F32 { keys, values } => (keys.clone(), values.clone()),
+            KvCacheRows::F16 { keys, values } => (widen(keys, width), widen(values, width)),
+            KvCacheRows::Int8 { keys, values } => (widen(keys, width), widen(values, width)),
+        }
+    }
+
+    /// [`CachedKv::attend_each`] over this cache, whatever its format.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_each(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
+        macro_rules! attend {
+            ($keys:expr, $values:expr) => {
+                CachedKv {
+                    keys: $keys,
+                    values: $values,
+                    kv_heads,
+                    head_dim,
+                }
+                .attend_each(queries, count, first, scaling, bias)
+            };
+        }
+        match self {
+            KvCacheRows::F32 { keys, values } => attend!(&keys[..], &values[..]),
+            KvCacheRows::F16 { keys, values } => attend!(keys, values),
+            KvCacheRows::Int8 { keys, values } => attend!(keys, values),
         }
     }
 
@@ -390,6 +482,43 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A cache grown a row or a few at a time (a decoder-only model's) holds what one made at
+    /// once holds, and reads back as the rows its attention sees.
+    #[test]
+    fn caches_grown_row_by_row_hold_what_one_made_at_once_holds() {
+        let (rows, width) = (9, 80);
+        let keys = cache_values(rows, width, 11);
+        let values = cache_values(rows, width, 12);
+        for format in KvFormat::ALL {
+            let whole = KvCacheRows::new(format, keys.clone(), values.clone(), width);
+            let mut grown = KvCacheRows::empty(format, width);
+            for (start, end) in [(0, 1), (1, 5), (5, 6), (6, 9)] {
+                let span = start * width..end * width;
+                grown.extend(&keys[span.clone()], &values[span], width);
+            }
+            assert_eq!(grown.format(), format);
+            let (whole_keys, whole_values) = whole.to_f32(width);
+            let (grown_keys, grown_values) = grown.to_f32(width);
+            assert_eq!(bits(&grown_keys), bits(&whole_keys), "{format} keys");
+            assert_eq!(bits(&grown_values), bits(&whole_values), "{format} values");
+            let want = match format {
+                KvFormat::F32 => keys.clone(),
+                KvFormat::F16 => keys
+                    .iter()
+                    .map(|&x| half::f16::from_f32(x).to_f32())
+                    .collect(),
+                KvFormat::Int8 => int8_reference(&keys, width),
+            };
+            assert_eq!(bits(&whole_keys), bits(&want), "{format}: rows as held");
+            let q = cache_values(1, width, 13);
+            assert_eq!(
+                bits(&grown.attend_each(4, 20, &q, 1, 2, 0.25, None)),
+                bits(&whole.attend_each(4, 20, &q, 1, 2, 0.25, None)),
+                "{format}: attention"
+            );
         }
     }
 

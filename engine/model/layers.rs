@@ -461,16 +461,9 @@ impl Attention {
         bias: Option<&[f32]>,
     ) -> Result<Tensor> {
         let count = x.size()[0] as usize;
-        self.attend_queries(x, count, |queries, _| match cache {
-            KvCacheRows::F32 { keys, values } => self
-                .cached(&keys[..], &values[..])
-                .attend_each(queries, count, 0, 1.0, bias),
-            KvCacheRows::F16 { keys, values } => self
-                .cached(keys, values)
-                .attend_each(queries, count, 0, 1.0, bias),
-            KvCacheRows::Int8 { keys, values } => self
-                .cached(keys, values)
-                .attend_each(queries, count, 0, 1.0, bias),
+        self.attend_queries(x, count, |queries, _| {
+            let (kv_heads, head_dim) = (self.num_heads as usize, self.d_kv as usize);
+            cache.attend_each(kv_heads, head_dim, queries, count, 0, 1.0, bias)
         })
     }
 

@@ -43,7 +43,8 @@ pub struct RunShape {
     pub max_new_tokens: usize,
     /// Sequences decoded side by side (beam search); decoder-only runs decode one.
     pub beams: usize,
-    /// How the encoder-decoder's cross-attention cache holds its keys and values.
+    /// How the attention cache holds its keys and values (an encoder-decoder's cross-attention,
+    /// a decoder-only model's self-attention).
     pub kv_cache: KvFormat,
 }
 

@@ -183,6 +183,7 @@ fn complete(
         )));
     }
     let mut decode = task.decode.clone();
+    decode.kv_cache = session.options.decode.kv_cache;
     decode.cancellation = job.cancellation.clone();
     if job
         .reply
