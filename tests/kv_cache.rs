@@ -13,12 +13,12 @@
 
 mod common;
 
-use common::golden::{decoder_golden, greedy_options, switch_golden};
+use common::golden::{
+    decoder_golden, greedy_options, switch_beam_options, switch_golden, switch_greedy_options,
+};
 use edgemoe::bundle::Bundle;
-use edgemoe::config::EarlyStopping;
 use edgemoe::generation::causal::complete;
 use edgemoe::generation::decoding::DecodeOptions;
-use edgemoe::generation::sampling::Sampling;
 use edgemoe::generation::seq2seq::generate;
 use edgemoe::model::KvFormat;
 use edgemoe::runtime::buffer::ExpertBuffer;
@@ -45,18 +45,34 @@ fn worst_relative(got: &[f32], want: &[f32]) -> f32 {
 
 fn greedy(max_new_tokens: usize, kv_cache: KvFormat) -> DecodeOptions {
     DecodeOptions {
-        max_new_tokens,
-        num_beams: 1,
-        length_penalty: 1.0,
-        early_stopping: EarlyStopping::False,
-        no_repeat_ngram_size: 0,
-        decoder_start_token_id: 0,
-        eos_token_id: 1,
-        sampling: Sampling::Greedy,
-        stop_token_ids: vec![1],
         kv_cache,
-        cancellation: Default::default(),
+        ..switch_greedy_options(max_new_tokens)
     }
+}
+
+/// Asserts a step's logits with a `format` cache (`got`) are within its tolerance of the
+/// golden's (`want`); returns how far they are from the f32 cache's.
+fn check_step(what: &str, format: KvFormat, got: &[f32], want: &[f32], f32_cache: &[f32]) -> f32 {
+    let worst = worst_relative(got, want);
+    assert!(
+        worst <= tolerance(format),
+        "{what}: logits {worst} from the golden's, above {}",
+        tolerance(format)
+    );
+    worst_relative(got, f32_cache)
+}
+
+/// `name`'s fixture converted into `dir`, and an expert buffer with a slot for every expert.
+fn open_fixture(name: &str, dir: &std::path::Path) -> (Bundle, ExpertBuffer) {
+    let bundle = Bundle::open(&common::convert_to(&common::fixture(name), dir)).unwrap();
+    let buffer = full_buffer(&bundle);
+    (bundle, buffer)
+}
+
+/// An expert buffer for `bundle` with a slot for every expert.
+fn full_buffer(bundle: &Bundle) -> ExpertBuffer {
+    let experts = bundle.open_store().unwrap().index().experts.len();
+    ExpertBuffer::new(bundle.open_store().unwrap(), &bundle.config.model, experts)
 }
 
 #[test]
@@ -64,26 +80,14 @@ fn narrower_cross_attention_caches_keep_transformers_tokens() {
     for name in ["tiny-untied-e8", "tiny-tied-e4"] {
         let golden = switch_golden(name);
         let dir = tempfile::tempdir().unwrap();
-        let bundle = Bundle::open(&common::convert_to(&common::fixture(name), dir.path())).unwrap();
-        let spec = bundle.config.model.clone();
+        let (bundle, mut buffer) = open_fixture(name, dir.path());
         let model = common::engine::load_switch(&bundle);
-        let experts = bundle.open_store().unwrap().index().experts.len();
-        let mut buffer = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, experts);
         let outputs: std::collections::BTreeSet<(&Vec<i64>, &Vec<i64>)> =
             golden.cases.iter().map(|c| (&c.greedy, &c.beam)).collect();
         assert!(outputs.len() > 1, "{name}: the cases' outputs differ");
         for format in [KvFormat::F16, KvFormat::Int8] {
             let greedy = greedy(golden.max_new_tokens, format);
-            let beam = DecodeOptions {
-                num_beams: golden.beam.num_beams,
-                length_penalty: golden.beam.length_penalty.unwrap_or(1.0),
-                early_stopping: match golden.beam.early_stopping {
-                    Some(true) => EarlyStopping::True,
-                    _ => EarlyStopping::False,
-                },
-                no_repeat_ngram_size: golden.beam.no_repeat_ngram_size.unwrap_or(0),
-                ..greedy.clone()
-            };
+            let beam = switch_beam_options(&golden, &greedy);
             let mut effect = 0f32;
             for (i, case) in golden.cases.iter().enumerate() {
                 let what = format!("{name} case {i}, {format} cache");
@@ -110,14 +114,15 @@ fn narrower_cross_attention_caches_keep_transformers_tokens() {
                         Vec::<f32>::try_from(l.flatten(0, -1)).unwrap()
                     };
                     let (got, f32_cache) = (logits(&mut narrow), logits(&mut exact));
-                    let worst = worst_relative(&got, want);
-                    assert!(
-                        worst <= tolerance(format),
-                        "{what}: logits at step {step} {worst} from the golden's, above {}",
-                        tolerance(format)
-                    );
                     common::assert_close(&format!("{what}: f32 cache"), &f32_cache, want);
-                    effect = effect.max(worst_relative(&got, &f32_cache));
+                    let step_effect = check_step(
+                        &format!("{what}, step {step}"),
+                        format,
+                        &got,
+                        want,
+                        &f32_cache,
+                    );
+                    effect = effect.max(step_effect);
                     token = case.greedy[step];
                 }
             }
@@ -133,18 +138,16 @@ fn narrower_cross_attention_caches_keep_transformers_tokens() {
 
 /// A decoder-only model's self-attention cache held as f16 or INT8, on the three decoder
 /// fixtures' golden cases: transformers' greedy tokens (f16), logits along the golden path
-/// within the tolerance of the f32 golden and different from the f32 cache's; and the prompt prefilled at once (a chunk that
-/// attends over its own keys as held) gives what feeding it a token at a time gives.
+/// within the tolerance of the f32 golden and different from the f32 cache's; and the prompt
+/// prefilled at once (a chunk that attends over its own keys as held) gives what feeding it a
+/// token at a time gives.
 #[test]
 fn decoder_only_caches_in_narrower_formats_keep_transformers_tokens() {
     for name in ["tiny-olmoe", "tiny-mixtral", "tiny-qwen2-moe"] {
         let golden = decoder_golden(name);
         let dir = tempfile::tempdir().unwrap();
-        let bundle = Bundle::open(&common::convert_to(&common::fixture(name), dir.path())).unwrap();
-        let spec = bundle.config.model.clone();
+        let (bundle, mut buffer) = open_fixture(name, dir.path());
         let model = common::engine::load_decoder(&bundle);
-        let experts = bundle.open_store().unwrap().index().experts.len();
-        let mut buffer = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, experts);
         let outputs: std::collections::BTreeSet<&Vec<i64>> =
             golden.cases.iter().map(|c| &c.greedy).collect();
         assert!(outputs.len() > 1, "{name}: the cases' outputs differ");
@@ -176,13 +179,14 @@ fn decoder_only_caches_in_narrower_formats_keep_transformers_tokens() {
                         Vec::<f32>::try_from(&l).unwrap()
                     };
                     let (got, f32_cache) = (logits(&mut narrow), logits(&mut exact));
-                    let worst = worst_relative(&got, want);
-                    assert!(
-                        worst <= tolerance(format),
-                        "{what}: logits at step {step} {worst} from the golden's, above {}",
-                        tolerance(format)
+                    let step_effect = check_step(
+                        &format!("{what}, step {step}"),
+                        format,
+                        &got,
+                        want,
+                        &f32_cache,
                     );
-                    effect = effect.max(worst_relative(&got, &f32_cache));
+                    effect = effect.max(step_effect);
                     feed = vec![case.greedy[step]];
                 }
 
@@ -264,10 +268,8 @@ fn f16_resident_weights_with_an_f16_cache_keep_the_half_golden_tokens() {
             ResidentWidth::F16,
         );
         let bundle = Bundle::open(&out).unwrap();
-        let spec = bundle.config.model.clone();
         let model = common::engine::load_switch(&bundle);
-        let experts = bundle.open_store().unwrap().index().experts.len();
-        let mut buffer = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, experts);
+        let mut buffer = full_buffer(&bundle);
         for (i, case) in entry.cases.iter().enumerate() {
             let options = greedy(case.greedy.len().max(24), KvFormat::F16);
             let tokens = generate(&model, &mut buffer, &case.input_ids, &options)

@@ -12,15 +12,16 @@ mod common;
 use std::sync::Arc;
 
 use common::assert_close;
-use common::golden::{decoder_golden, golden_dictionary, greedy_options, switch_golden};
+use common::golden::{
+    decoder_golden, golden_dictionary, greedy_options, switch_beam_options, switch_golden,
+    switch_greedy_options,
+};
 
 use edgemoe::bundle::Bundle;
 use edgemoe::cache::Policy;
-use edgemoe::config::{EarlyStopping, ModelSpec};
+use edgemoe::config::ModelSpec;
 use edgemoe::dictionary::PathDictionary;
 use edgemoe::generation::causal::complete;
-use edgemoe::generation::decoding::DecodeOptions;
-use edgemoe::generation::sampling::Sampling;
 use edgemoe::generation::seq2seq::generate;
 use edgemoe::ids::Stack;
 use edgemoe::model::{KvFormat, LayerRoute};
@@ -42,29 +43,8 @@ fn check_switch(name: &str, bundle: &Bundle) {
     let spec = bundle.config.model.clone();
     let model = common::engine::load_switch(bundle);
     let total_experts = bundle.open_store().unwrap().index().experts.len();
-    let greedy = DecodeOptions {
-        max_new_tokens: golden.max_new_tokens,
-        num_beams: 1,
-        length_penalty: 1.0,
-        early_stopping: EarlyStopping::False,
-        no_repeat_ngram_size: 0,
-        decoder_start_token_id: 0,
-        eos_token_id: 1,
-        sampling: Sampling::Greedy,
-        stop_token_ids: vec![1],
-        kv_cache: Default::default(),
-        cancellation: Default::default(),
-    };
-    let beam = DecodeOptions {
-        num_beams: golden.beam.num_beams,
-        length_penalty: golden.beam.length_penalty.unwrap_or(1.0),
-        early_stopping: match golden.beam.early_stopping {
-            Some(true) => EarlyStopping::True,
-            _ => EarlyStopping::False,
-        },
-        no_repeat_ngram_size: golden.beam.no_repeat_ngram_size.unwrap_or(0),
-        ..greedy.clone()
-    };
+    let greedy = switch_greedy_options(golden.max_new_tokens);
+    let beam = switch_beam_options(&golden, &greedy);
 
     for slots in [total_experts, 1] {
         let mut buffer = ExpertBuffer::new(bundle.open_store().unwrap(), &spec, slots);

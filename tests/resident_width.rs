@@ -10,12 +10,10 @@
 
 mod common;
 
-use common::golden::{decoder_golden, greedy_options, switch_golden};
+use common::golden::{decoder_golden, greedy_options, switch_golden, switch_greedy_options};
 use edgemoe::bundle::Bundle;
-use edgemoe::config::{EarlyStopping, ModelSpec};
+use edgemoe::config::ModelSpec;
 use edgemoe::generation::causal::complete;
-use edgemoe::generation::decoding::DecodeOptions;
-use edgemoe::generation::sampling::Sampling;
 use edgemoe::generation::seq2seq::generate;
 use edgemoe::model::KvFormat;
 use edgemoe::offline::bit_plan::BitPlan;
@@ -53,19 +51,7 @@ fn run(bundle: &Bundle, case: &Case) -> (Vec<i64>, Vec<Vec<f32>>) {
     match &spec {
         ModelSpec::Switch(_) => {
             let model = common::engine::load_switch(bundle);
-            let options = DecodeOptions {
-                max_new_tokens: case.greedy.len().max(24),
-                num_beams: 1,
-                length_penalty: 1.0,
-                early_stopping: EarlyStopping::False,
-                no_repeat_ngram_size: 0,
-                decoder_start_token_id: 0,
-                eos_token_id: 1,
-                sampling: Sampling::Greedy,
-                stop_token_ids: vec![1],
-                kv_cache: Default::default(),
-                cancellation: Default::default(),
-            };
+            let options = switch_greedy_options(case.greedy.len().max(24));
             let tokens = generate(&model, &mut buffer, &case.input_ids, &options)
                 .unwrap()
                 .tokens;

@@ -430,23 +430,7 @@ mod tests {
                 let case = format!("{format}: {heads} heads × {hd}, {rows} rows");
                 let cache = KvCacheRows::new(format, keys.clone(), values.clone(), width);
                 assert_eq!(cache.format(), format);
-                let got = match &cache {
-                    KvCacheRows::F16 { keys, values } => CachedKv {
-                        keys,
-                        values,
-                        kv_heads: heads,
-                        head_dim: hd,
-                    }
-                    .attend_each(&queries, 3, 0, 1.0, None),
-                    KvCacheRows::Int8 { keys, values } => CachedKv {
-                        keys,
-                        values,
-                        kv_heads: heads,
-                        head_dim: hd,
-                    }
-                    .attend_each(&queries, 3, 0, 1.0, None),
-                    KvCacheRows::F32 { .. } => panic!("{case}: held as f32"),
-                };
+                let got = cache.attend_each(heads, hd, &queries, 3, 0, 1.0, None);
                 assert_eq!(bits(&got), bits(&want), "{case}");
                 assert_ne!(bits(&got), bits(&exact), "{case}: the rounding is applied");
                 // Every row handed out is the rounded row, and `rows` counts them.

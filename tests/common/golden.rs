@@ -58,6 +58,38 @@ pub fn switch_golden(name: &str) -> SwitchGolden {
     read(&fixture(name).join("golden.json"))
 }
 
+/// Greedy decoding as the Switch golden files were made: from id 0, `max_new_tokens`, stop at
+/// `</s>` (id 1), the f32 cache.
+pub fn switch_greedy_options(max_new_tokens: usize) -> DecodeOptions {
+    DecodeOptions {
+        max_new_tokens,
+        num_beams: 1,
+        length_penalty: 1.0,
+        early_stopping: edgemoe::config::EarlyStopping::False,
+        no_repeat_ngram_size: 0,
+        decoder_start_token_id: 0,
+        eos_token_id: 1,
+        sampling: Sampling::Greedy,
+        stop_token_ids: vec![1],
+        kv_cache: Default::default(),
+        cancellation: Default::default(),
+    }
+}
+
+/// Beam search as `golden`'s beam config says, the rest as `greedy`.
+pub fn switch_beam_options(golden: &SwitchGolden, greedy: &DecodeOptions) -> DecodeOptions {
+    DecodeOptions {
+        num_beams: golden.beam.num_beams,
+        length_penalty: golden.beam.length_penalty.unwrap_or(1.0),
+        early_stopping: match golden.beam.early_stopping {
+            Some(true) => edgemoe::config::EarlyStopping::True,
+            _ => edgemoe::config::EarlyStopping::False,
+        },
+        no_repeat_ngram_size: golden.beam.no_repeat_ngram_size.unwrap_or(0),
+        ..greedy.clone()
+    }
+}
+
 /// `tests/fixtures/<tiny decoder-only fixture>/golden.json`.
 #[derive(Deserialize)]
 pub struct DecoderGolden {
