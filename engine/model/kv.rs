@@ -10,6 +10,7 @@
 //! scale) into a small scratch row as the walk reaches it, so the result is, bit for bit, the
 //! f32 attention over the rounded cache.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
@@ -270,8 +271,8 @@ impl KvCacheRows {
     }
 
     /// The keys and values as the attention reads them (rounded where the format rounds), as
-    /// f32 rows: for attention in tensors over the whole cache.
-    pub fn to_f32(&self, width: usize) -> (Vec<f32>, Vec<f32>) {
+    /// f32 rows (f32 caches lent, not copied): for attention in tensors over the whole cache.
+    pub fn to_f32(&self, width: usize) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         fn widen<R: KvRows + ?Sized>(rows: &R, width: usize) -> Vec<f32> {
             let mut out = vec![0f32; rows.rows(width) * width];
             let mut scratch = vec![0f32; width];
@@ -281,9 +282,13 @@ impl KvCacheRows {
             out
         }
         match self {
-            KvCacheRows::F32 { keys, values } => (keys.clone(), values.clone()),
-            KvCacheRows::F16 { keys, values } => (widen(keys, width), widen(values, width)),
-            KvCacheRows::Int8 { keys, values } => (widen(keys, width), widen(values, width)),
+            KvCacheRows::F32 { keys, values } => (Cow::Borrowed(keys), Cow::Borrowed(values)),
+            KvCacheRows::F16 { keys, values } => {
+                (widen(keys, width).into(), widen(values, width).into())
+            }
+            KvCacheRows::Int8 { keys, values } => {
+                (widen(keys, width).into(), widen(values, width).into())
+            }
         }
     }
 
