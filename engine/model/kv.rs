@@ -80,6 +80,10 @@ impl FromStr for KvFormat {
 /// Token-major rows of `width` values a cached attention walks ([`super::layers::CachedKv`]),
 /// each row handed over as f32.
 pub trait KvRows {
+    /// Whether rows are widened into the caller's scratch row (f32 rows are lent as they are,
+    /// and need none).
+    const WIDENS: bool;
+
     /// Rows held.
     fn rows(&self, width: usize) -> usize;
 
@@ -92,6 +96,8 @@ pub trait KvRows {
 }
 
 impl KvRows for [f32] {
+    const WIDENS: bool = false;
+
     fn rows(&self, width: usize) -> usize {
         self.len() / width.max(1)
     }
@@ -128,6 +134,8 @@ impl F16Rows {
 }
 
 impl KvRows for F16Rows {
+    const WIDENS: bool = true;
+
     fn rows(&self, width: usize) -> usize {
         self.0.len() / 2 / width.max(1)
     }
@@ -188,6 +196,8 @@ impl Int8Rows {
 }
 
 impl KvRows for Int8Rows {
+    const WIDENS: bool = true;
+
     fn rows(&self, width: usize) -> usize {
         self.codes.len() / width.max(1)
     }

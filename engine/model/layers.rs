@@ -467,7 +467,7 @@ impl Attention {
         })
     }
 
-    fn cached<'a, R: KvRows + ?Sized>(&self, keys: &'a R, values: &'a R) -> CachedKv<'a, R> {
+    fn cached<'a>(&self, keys: &'a [f32], values: &'a [f32]) -> CachedKv<'a> {
         CachedKv {
             keys,
             values,
@@ -618,8 +618,8 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         // output, `[count × heads, hd]`.
         let rows = count * heads;
         let mut weights = vec![0f32; rows * total];
-        // A row widened from a narrower format (unused for f32 rows).
-        let mut scratch = vec![0f32; width];
+        // A row widened from a narrower format (none for f32 rows: no allocation).
+        let mut scratch = vec![0f32; if R::WIDENS { width } else { 0 }];
         for t in first..total {
             let keys = self.keys.row(t, width, &mut scratch);
             self.keys.prefetch(t + 1, width);
