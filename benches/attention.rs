@@ -1,11 +1,13 @@
 //! Criterion benchmarks of the decode step's cached attention ([`CachedKv`]): the
 //! cross-attention of 4 beams over one switch-base-8 document (353 tokens, 12 heads of 64),
-//! beam by beam against one shared walk of the cache, and one query over a long self-attention
+//! beam by beam against one shared walk of the cache and against the same cache held as a
+//! [`SourceKv`] (keys by dimension) in each format, and one query over a long self-attention
 //! cache (OLMoE's 16 heads of 128, 512 tokens).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use edgemoe::model::kv::{KvFormat, SourceKv};
 use edgemoe::model::layers::CachedKv;
 
 /// Deterministic values in [-1, 1).
@@ -44,6 +46,41 @@ fn attention(c: &mut Criterion) {
     group.bench_function("4 beams over one 353-token cache, one walk", |b| {
         b.iter(|| black_box(kv.attend_each(black_box(&queries), beams, 0, 1.0, None)))
     });
+    for format in KvFormat::ALL {
+        let source = SourceKv::new(format, &keys, vals.clone(), width);
+        group.bench_function(
+            format!("1 query over one 353-token source cache by dimension, {format}"),
+            |b| {
+                b.iter(|| {
+                    black_box(source.attend_each(
+                        heads,
+                        head_dim,
+                        black_box(&queries[..width]),
+                        1,
+                        0,
+                        1.0,
+                        None,
+                    ))
+                })
+            },
+        );
+        group.bench_function(
+            format!("4 beams over one 353-token source cache by dimension, {format}"),
+            |b| {
+                b.iter(|| {
+                    black_box(source.attend_each(
+                        heads,
+                        head_dim,
+                        black_box(&queries),
+                        beams,
+                        0,
+                        1.0,
+                        None,
+                    ))
+                })
+            },
+        );
+    }
 
     let (heads, head_dim, tokens) = (16, 128, 512);
     let width = heads * head_dim;

@@ -9,12 +9,18 @@
 //! Attention itself stays f32: a row is widened (f16, exactly) or dequantized (INT8: code ×
 //! scale) into a small scratch row as the walk reaches it, so the result is, bit for bit, the
 //! f32 attention over the rounded cache.
+//!
+//! Two layouts: [`KvCacheRows`], token-major, for caches that grow a row per token (a
+//! decoder-only model's self-attention); and [`SourceKv`] for a cache over a fixed source (an
+//! encoder-decoder's cross-attention), whose keys are held by dimension so that a head's scores
+//! over every source token are sums of whole vectors, `Σ_d q[d] × keys[d][..]`, instead of one
+//! dot product and one sum across a vector's lanes per token and head.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
-use super::layers::CachedKv;
+use super::layers::{mix_values, CachedKv};
 use crate::quant::kernels::{self, prefetch_bytes};
 
 /// How an attention cache holds its keys and values (`--kv-cache`).
@@ -354,6 +360,289 @@ impl KvCacheRows {
     }
 }
 
+/// Keys over a fixed source held by dimension (`[width, tokens]`: row `i` is dimension `i` of
+/// every token's key), for [`SourceKv`]'s scores: a head's scores are then sums of whole
+/// vectors of tokens, `Σ_d q[d] × keys[d][..]`, with no sum across a vector's lanes per token.
+enum KeyColumns {
+    F32(Vec<f32>),
+    /// f16, two little-endian bytes per value.
+    F16(Vec<u8>),
+    /// Codes by dimension; `scales[b × tokens + t]` is block `b`'s scale in token `t`'s row
+    /// (the row's blocks of [`INT8_BLOCK`], as [`Int8Rows`] has them).
+    Int8 {
+        codes: Vec<i8>,
+        scales: Vec<f32>,
+    },
+}
+
+impl KeyColumns {
+    /// `keys` (`tokens × width`, token-major) held by dimension in `format`.
+    fn new(format: KvFormat, keys: &[f32], width: usize) -> Self {
+        let width = width.max(1);
+        let tokens = keys.len() / width;
+        let transpose = |values: &[f32]| -> Vec<f32> {
+            let mut out = vec![0f32; values.len()];
+            for (t, row) in values.chunks_exact(width).enumerate() {
+                for (i, &x) in row.iter().enumerate() {
+                    out[i * tokens + t] = x;
+                }
+            }
+            out
+        };
+        match format {
+            KvFormat::F32 => KeyColumns::F32(transpose(keys)),
+            KvFormat::F16 => KeyColumns::F16(F16Rows::new(&transpose(keys)).0),
+            KvFormat::Int8 => {
+                // Quantized as rows (each token's blocks on their own), then laid out by
+                // dimension: the values held are those of `Int8Rows`.
+                let rows = Int8Rows::new(keys, width);
+                let mut codes = vec![0i8; rows.codes.len()];
+                let mut scales = vec![0f32; rows.scales.len()];
+                for t in 0..tokens {
+                    for i in 0..width {
+                        codes[i * tokens + t] = rows.codes[t * width + i];
+                    }
+                    for b in 0..rows.blocks_per_row {
+                        scales[b * tokens + t] = rows.scales[t * rows.blocks_per_row + b];
+                    }
+                }
+                KeyColumns::Int8 { codes, scales }
+            }
+        }
+    }
+
+    /// Dimension `i` of tokens `first..tokens` as f32: lent where held as f32, else widened
+    /// (f16, exactly) or dequantized (`code × scale`, as [`Int8Rows::row`]) into `scratch`.
+    #[inline(always)]
+    fn column<'s>(
+        &'s self,
+        i: usize,
+        tokens: usize,
+        first: usize,
+        scratch: &'s mut [f32],
+    ) -> &'s [f32] {
+        let span = i * tokens + first..(i + 1) * tokens;
+        match self {
+            KeyColumns::F32(keys) => &keys[span],
+            KeyColumns::F16(keys) => {
+                let out = &mut scratch[..span.len()];
+                (kernels::best().widen_f16)(&keys[2 * span.start..2 * span.end], out);
+                out
+            }
+            KeyColumns::Int8 { codes, scales } => {
+                let out = &mut scratch[..span.len()];
+                let block = i / INT8_BLOCK * tokens;
+                let scales = &scales[block + first..block + tokens];
+                for ((o, &c), &scale) in out.iter_mut().zip(&codes[span]).zip(scales) {
+                    *o = c as f32 * scale;
+                }
+                out
+            }
+        }
+    }
+
+    fn held_bytes(&self) -> usize {
+        match self {
+            KeyColumns::F32(keys) => 4 * keys.capacity(),
+            KeyColumns::F16(keys) => keys.capacity(),
+            KeyColumns::Int8 { codes, scales } => codes.capacity() + 4 * scales.capacity(),
+        }
+    }
+}
+
+/// An attention cache over a fixed source (an encoder-decoder's cross-attention: the encoder
+/// output's keys and values, made once per document and read by every decode step), in one
+/// [`KvFormat`]: keys by dimension ([`KeyColumns`]), values token-major as [`KvCacheRows`]
+/// holds them. Its attention is the f32 attention over the rounded values with each score
+/// summed over the head's dimensions in ascending order.
+pub struct SourceKv {
+    keys: KeyColumns,
+    values: KvCacheRows,
+    tokens: usize,
+    width: usize,
+}
+
+impl SourceKv {
+    /// `keys` and `values` (`tokens × width` each, token-major) held as `format`.
+    pub fn new(format: KvFormat, keys: &[f32], values: Vec<f32>, width: usize) -> Self {
+        let width = width.max(1);
+        SourceKv {
+            keys: KeyColumns::new(format, keys, width),
+            tokens: keys.len() / width,
+            values: KvCacheRows::new(format, Vec::new(), values, width),
+            width,
+        }
+    }
+
+    pub fn format(&self) -> KvFormat {
+        self.values.format()
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.tokens
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens == 0
+    }
+
+    /// Bytes the keys and values hold (allocated, not only used).
+    pub fn held_bytes(&self) -> u64 {
+        self.keys.held_bytes() as u64 + self.values.held_bytes()
+    }
+
+    /// The attention of `count` queries (`count × heads × head_dim`, one after another; beams
+    /// reading one document) over tokens `first..`, with `kv_heads` key/value heads of
+    /// `head_dim` and `bias` `[heads, tokens]` added to the scaled scores where given:
+    /// `[count × heads × head_dim]`, as [`CachedKv::attend_each`] gives it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_each(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F (checked just above).
+                return unsafe {
+                    self.attend_avx512(kv_heads, head_dim, queries, count, first, scaling, bias)
+                };
+            }
+            if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                return unsafe {
+                    self.attend_avx2(kv_heads, head_dim, queries, count, first, scaling, bias)
+                };
+            }
+        }
+        self.attend_loops(kv_heads, head_dim, queries, count, first, scaling, bias)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    fn attend_avx512(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
+        self.attend_loops(kv_heads, head_dim, queries, count, first, scaling, bias)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[allow(clippy::too_many_arguments)]
+    fn attend_avx2(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
+        self.attend_loops(kv_heads, head_dim, queries, count, first, scaling, bias)
+    }
+
+    /// Plain multiplies and adds (no fused multiply-add), so every compiled variant gives the
+    /// same bits.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn attend_loops(
+        &self,
+        kv_heads: usize,
+        hd: usize,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let (total, width) = (self.tokens, self.width);
+        let first = first.min(total);
+        let heads = queries.len() / count.max(1) / hd.max(1);
+        let rep = (heads / kv_heads.max(1)).max(1);
+        let kv_offsets: Vec<usize> = (0..heads).map(|h| h / rep * hd).collect();
+        // weights[(query × heads + h) × total + t], as `CachedKv`'s walk lays them out.
+        let mut weights = vec![0f32; count * heads * total];
+        let mut column_scratch = vec![0f32; total - first];
+        for (h, &offset) in kv_offsets.iter().enumerate() {
+            for d in 0..hd {
+                let keys = self
+                    .keys
+                    .column(offset + d, total, first, &mut column_scratch);
+                for (query, query_weights) in queries
+                    .chunks_exact(heads * hd)
+                    .zip(weights.chunks_exact_mut((heads * total).max(1)))
+                {
+                    let q = query[h * hd + d];
+                    let scores = &mut query_weights[h * total + first..(h + 1) * total];
+                    for (s, k) in scores.iter_mut().zip(keys) {
+                        *s += q * k;
+                    }
+                }
+            }
+            for query_weights in weights.chunks_exact_mut((heads * total).max(1)) {
+                let scores = &mut query_weights[h * total + first..(h + 1) * total];
+                match bias {
+                    Some(bias) => {
+                        let bias = &bias[h * total + first..(h + 1) * total];
+                        for (s, b) in scores.iter_mut().zip(bias) {
+                            *s = *s * scaling + b;
+                        }
+                    }
+                    None => scores.iter_mut().for_each(|s| *s *= scaling),
+                }
+            }
+        }
+        // (A match, not a closure: a closure's body is compiled without the caller's target
+        // features.)
+        let mut scratch = vec![0f32; width];
+        match &self.values {
+            KvCacheRows::F32 { values, .. } => mix_values(
+                &mut weights,
+                &values[..],
+                &kv_offsets,
+                hd,
+                width,
+                first,
+                &mut scratch,
+            ),
+            KvCacheRows::F16 { values, .. } => mix_values(
+                &mut weights,
+                values,
+                &kv_offsets,
+                hd,
+                width,
+                first,
+                &mut scratch,
+            ),
+            KvCacheRows::Int8 { values, .. } => mix_values(
+                &mut weights,
+                values,
+                &kv_offsets,
+                hd,
+                width,
+                first,
+                &mut scratch,
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::layers::CachedKv;
@@ -478,6 +767,117 @@ mod tests {
                     let step = block.iter().map(|x| x.abs()).fold(0f32, f32::max) / 127.0;
                     for (x, q) in block.iter().zip(held) {
                         assert!((x - q).abs() <= step * 0.5001, "{x} held as {q}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Attention over a fixed source written from its definition, head by head: each score
+    /// `Σ_d q[d] × k[d]` summed in ascending `d` from 0, times `scaling`, plus the bias; the
+    /// softmax; the probabilities times the values in ascending token order. `keys` and
+    /// `values` are the rounded values the cache holds.
+    fn source_reference(
+        keys: &[f32],
+        values: &[f32],
+        (heads, kv_heads, hd): (usize, usize, usize),
+        queries: &[f32],
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let width = kv_heads * hd;
+        let total = keys.len() / width;
+        let mut out = Vec::new();
+        for query in queries.chunks_exact(heads * hd) {
+            for h in 0..heads {
+                let offset = h / (heads / kv_heads) * hd;
+                let scores: Vec<f32> = (first..total)
+                    .map(|t| {
+                        let mut s = 0f32;
+                        for d in 0..hd {
+                            s += query[h * hd + d] * keys[t * width + offset + d];
+                        }
+                        s * scaling + bias.map_or(0.0, |b| b[h * total + t])
+                    })
+                    .collect();
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum = exps.iter().fold(0f32, |a, e| a + e);
+                let mut head = vec![0f32; hd];
+                for (t, e) in (first..total).zip(exps) {
+                    let p = e / sum;
+                    for (o, v) in head.iter_mut().zip(&values[t * width + offset..][..hd]) {
+                        *o += p * v;
+                    }
+                }
+                out.extend(head);
+            }
+        }
+        out
+    }
+
+    /// A source cache's attention (keys by dimension) is the reference over its rounded values
+    /// bit for bit, in every format, for one query and for three sharing the cache, with
+    /// grouped heads, a hidden prefix and a bias; and it agrees with the token-major walk of
+    /// [`CachedKv`] (whose sums run in another order) to within rounding.
+    #[test]
+    fn source_caches_attend_as_the_reference_over_their_rounded_values() {
+        for (heads, kv_heads, hd, rows, first, biased) in [
+            (4, 4, 16, 7, 0, false),
+            (12, 12, 64, 40, 0, false),
+            (8, 2, 40, 33, 5, true),
+            (3, 3, 40, 1, 0, true),
+        ] {
+            let width = kv_heads * hd;
+            let keys = cache_values(rows, width, 0x9e37_79b9_7f4a_7c15);
+            let values = cache_values(rows, width, 0x2545_f491_4f6c_dd1d);
+            let queries: Vec<f32> = cache_values(3, heads * hd, 7)
+                .iter()
+                .map(|x| x / 4.0)
+                .collect();
+            let bias: Vec<f32> = cache_values(1, heads * rows, 9);
+            let bias = biased.then_some(&bias[..]);
+            let scaling = (hd as f32).powf(-0.5);
+            for format in KvFormat::ALL {
+                let case = format!("{format}: {heads} heads over {kv_heads} × {hd}, {rows} rows");
+                let rounded = |v: &[f32]| -> Vec<f32> {
+                    match format {
+                        KvFormat::F32 => v.to_vec(),
+                        KvFormat::F16 => {
+                            v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+                        }
+                        KvFormat::Int8 => int8_reference(v, width),
+                    }
+                };
+                let (held_keys, held_values) = (rounded(&keys), rounded(&values));
+                let cache = SourceKv::new(format, &keys, values.clone(), width);
+                assert_eq!((cache.format(), cache.len()), (format, rows), "{case}");
+                for count in [1, 3] {
+                    let queries = &queries[..count * heads * hd];
+                    let got = cache.attend_each(kv_heads, hd, queries, count, first, scaling, bias);
+                    let want = source_reference(
+                        &held_keys,
+                        &held_values,
+                        (heads, kv_heads, hd),
+                        queries,
+                        first,
+                        scaling,
+                        bias,
+                    );
+                    assert_eq!(bits(&got), bits(&want), "{case}, {count} queries");
+                    let walked = CachedKv {
+                        keys: &held_keys[..],
+                        values: &held_values[..],
+                        kv_heads,
+                        head_dim: hd,
+                    }
+                    .attend_each(queries, count, first, scaling, bias);
+                    for (g, w) in got.iter().zip(&walked) {
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{case}: {g} vs {w}"
+                        );
                     }
                 }
             }

@@ -7,7 +7,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::kv::{KvCacheRows, KvRows};
+use super::kv::{KvRows, SourceKv};
 use crate::error::{Error, Result};
 use crate::quant::matrix::{matmul, MatrixFormat, MatrixRef, PackedMatrix};
 
@@ -451,13 +451,13 @@ impl Attention {
         })
     }
 
-    /// [`Self::attend_cached`] for `b` sequences that share one cache (beams over one document's
-    /// encoder output): one walk of the cache for every query ([`CachedKv::attend_each`]), in
-    /// whichever format the cache holds.
+    /// [`Self::attend_cached`] for `b` sequences that share one cache over a fixed source (beams
+    /// over one document's encoder output): [`SourceKv::attend_each`], each key column read
+    /// once for every query, in whichever format the cache holds.
     pub fn attend_cached_shared(
         &self,
         x: &Tensor,
-        cache: &KvCacheRows,
+        cache: &SourceKv,
         bias: Option<&[f32]>,
     ) -> Result<Tensor> {
         let count = x.size()[0] as usize;
@@ -611,8 +611,10 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         let width = self.kv_heads * hd;
         let total = self.keys.rows(width);
         let heads = queries.len() / count.max(1) / hd.max(1);
-        let rep = heads / self.kv_heads.max(1);
-        let kv_offset = |h: usize| h / rep * hd;
+        let rep = (heads / self.kv_heads.max(1)).max(1);
+        // Each head's offset in a cache row, worked out once: a division per head and token
+        // cost more than the head's dot product on cores with slow 64-bit division.
+        let kv_offsets: Vec<usize> = (0..heads).map(|h| h / rep * hd).collect();
         // weights[(query × heads + h) × total + t]: the scaled scores, then the softmax's
         // probabilities. Query `i`'s head `h` is row `i × heads + h` of `queries` and of the
         // output, `[count × heads, hd]`.
@@ -628,7 +630,7 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
                 .zip(weights.chunks_exact_mut(heads * total))
             {
                 for h in 0..heads {
-                    let key = &keys[kv_offset(h)..kv_offset(h) + hd];
+                    let key = &keys[kv_offsets[h]..kv_offsets[h] + hd];
                     let mut w = dot(&query[h * hd..(h + 1) * hd], key) * scaling;
                     if let Some(bias) = bias {
                         w += bias[h * total + t];
@@ -637,35 +639,63 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
                 }
             }
         }
-        for head in weights.chunks_exact_mut(total.max(1)) {
-            let head = &mut head[first..];
-            let max = head.iter().fold(f32::NEG_INFINITY, |m, &w| m.max(w));
-            let mut sum = 0f32;
-            for w in head.iter_mut() {
-                *w = (*w - max).exp();
-                sum += *w;
-            }
-            head.iter_mut().for_each(|w| *w /= sum);
+        mix_values(
+            &mut weights,
+            self.values,
+            &kv_offsets,
+            hd,
+            width,
+            first,
+            &mut scratch,
+        )
+    }
+}
+
+/// The softmax of each row of `weights` (`[count × heads, total]` scores, tokens `first..`
+/// only), then each row's probabilities times the value rows: the second half of every cached
+/// attention, `[count × heads, hd]` out. Head `h` of a query reads its values at
+/// `kv_offsets[h]` of each row of `width`; `scratch` holds a row where the rows widen.
+#[inline(always)]
+pub(super) fn mix_values<R: KvRows + ?Sized>(
+    weights: &mut [f32],
+    values: &R,
+    kv_offsets: &[usize],
+    hd: usize,
+    width: usize,
+    first: usize,
+    scratch: &mut [f32],
+) -> Vec<f32> {
+    let heads = kv_offsets.len();
+    let total = values.rows(width);
+    let rows = weights.len() / total.max(1);
+    for head in weights.chunks_exact_mut(total.max(1)) {
+        let head = &mut head[first..];
+        let max = head.iter().fold(f32::NEG_INFINITY, |m, &w| m.max(w));
+        let mut sum = 0f32;
+        for w in head.iter_mut() {
+            *w = (*w - max).exp();
+            sum += *w;
         }
-        let mut out = vec![0f32; rows * hd];
-        for t in first..total {
-            let values = self.values.row(t, width, &mut scratch);
-            self.values.prefetch(t + 1, width);
-            for (query_out, query_weights) in out
-                .chunks_exact_mut(heads * hd)
-                .zip(weights.chunks_exact(heads * total))
-            {
-                for (h, out) in query_out.chunks_exact_mut(hd).enumerate() {
-                    let p = query_weights[h * total + t];
-                    let value = &values[kv_offset(h)..kv_offset(h) + hd];
-                    for (o, v) in out.iter_mut().zip(value) {
-                        *o += p * v;
-                    }
+        head.iter_mut().for_each(|w| *w /= sum);
+    }
+    let mut out = vec![0f32; rows * hd];
+    for t in first..total {
+        let values_row = values.row(t, width, scratch);
+        values.prefetch(t + 1, width);
+        for (query_out, query_weights) in out
+            .chunks_exact_mut(heads * hd)
+            .zip(weights.chunks_exact((heads * total).max(1)))
+        {
+            for (h, out) in query_out.chunks_exact_mut(hd).enumerate() {
+                let p = query_weights[h * total + t];
+                let value = &values_row[kv_offsets[h]..kv_offsets[h] + hd];
+                for (o, v) in out.iter_mut().zip(value) {
+                    *o += p * v;
                 }
             }
         }
-        out
     }
+    out
 }
 
 /// `Σ a[i]·b[i]` over 16 running sums (lane `i % 16`), added together at the end: a fixed

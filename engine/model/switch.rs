@@ -16,7 +16,7 @@ use crate::ids::Stack;
 use crate::model::provider::ExpertProvider;
 use crate::weights::{Stored, WeightFiles};
 
-use super::kv::{KvCacheRows, KvFormat};
+use super::kv::{KvFormat, SourceKv};
 use super::RunShape;
 use crate::quant::matrix::gemm_scratch_values;
 use crate::quant::parallel::compute_threads;
@@ -125,7 +125,7 @@ struct LoopCaches {
     /// every sequence: beams decode the same document. (HF repeats the encoder output per beam
     /// and reorders that copy with the beams; every copy holds the same values.) Held in the
     /// run's [`KvFormat`].
-    cross_kv: Vec<KvCacheRows>,
+    cross_kv: Vec<SourceKv>,
 }
 
 impl SwitchModel {
@@ -428,7 +428,7 @@ impl SwitchModel {
             let cross_kv = cross_attention
                 .map(|attn| {
                     let (keys, values) = (token_major(&attn.k)?, token_major(&attn.v)?);
-                    Ok(KvCacheRows::new(kv_format, keys, values, width))
+                    Ok(SourceKv::new(kv_format, &keys, values, width))
                 })
                 .collect::<Result<Vec<_>>>()?;
             Some(LoopCaches {
@@ -682,12 +682,7 @@ impl DecoderState {
             let self_kv: u64 = (loops.self_kv.iter().flatten())
                 .map(|(k, v)| 4 * (k.capacity() + v.capacity()) as u64)
                 .sum();
-            self_kv
-                + loops
-                    .cross_kv
-                    .iter()
-                    .map(KvCacheRows::held_bytes)
-                    .sum::<u64>()
+            self_kv + loops.cross_kv.iter().map(SourceKv::held_bytes).sum::<u64>()
         });
         tensor_bytes + loop_bytes
     }
