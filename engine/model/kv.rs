@@ -578,7 +578,9 @@ impl SourceKv {
         let kv_offsets: Vec<usize> = (0..heads).map(|h| h / rep * hd).collect();
         // weights[(query × heads + h) × total + t], as `CachedKv`'s walk lays them out.
         let mut weights = vec![0f32; count * heads * total];
-        let mut column_scratch = vec![0f32; total - first];
+        // A column widened from a narrower format (f32 columns are lent: no allocation).
+        let widens = !matches!(self.keys, KeyColumns::F32(_));
+        let mut column_scratch = vec![0f32; if widens { total - first } else { 0 }];
         for (h, &offset) in kv_offsets.iter().enumerate() {
             for d in 0..hd {
                 let keys = self
@@ -609,8 +611,7 @@ impl SourceKv {
             }
         }
         // (A match, not a closure: a closure's body is compiled without the caller's target
-        // features.)
-        let mut scratch = vec![0f32; width];
+        // features. A row scratch only where the rows widen, as `CachedKv` has it.)
         match &self.values {
             KvCacheRows::F32 { values, .. } => mix_values(
                 &mut weights,
@@ -619,7 +620,7 @@ impl SourceKv {
                 hd,
                 width,
                 first,
-                &mut scratch,
+                &mut [],
             ),
             KvCacheRows::F16 { values, .. } => mix_values(
                 &mut weights,
@@ -628,7 +629,7 @@ impl SourceKv {
                 hd,
                 width,
                 first,
-                &mut scratch,
+                &mut vec![0f32; width],
             ),
             KvCacheRows::Int8 { values, .. } => mix_values(
                 &mut weights,
@@ -637,7 +638,7 @@ impl SourceKv {
                 hd,
                 width,
                 first,
-                &mut scratch,
+                &mut vec![0f32; width],
             ),
         }
     }
