@@ -470,14 +470,14 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
         for b in (0..quads).step_by(4) {
             // The next rows of a large matrix are far from the caches: ask for them early
             // (INT8 rows only where that pays, see `prefetch_wide_rows`), every cache line of
-            // them: four INT8 blocks are two lines. (With one, every other line came on
-            // demand, and INT8 rows read 15–20% slower than f16 rows from memory on a Cascade
-            // Lake core: BENCHMARKS.md §9.23.)
+            // the step ahead: four INT8 blocks are two lines, INT4 and INT2 ones part of one.
+            // (One prefetch per step left every other INT8 line to come on demand, and INT8
+            // rows read 15–20% slower than f16 rows from memory on a Cascade Lake core:
+            // BENCHMARKS.md §9.23.)
             if prefetch {
                 let ahead = (b + 4) * block_bytes + PREFETCH_AHEAD;
-                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead).cast());
-                if BITS == 8 {
-                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + 64).cast());
+                for line in (0..4 * block_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + line).cast());
                 }
             }
             let (p, s) = quant_block::<BITS, SUM>(w, x, b);
