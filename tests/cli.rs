@@ -1251,6 +1251,26 @@ fn closed_stdout_ends_quietly() {
             "{title}: {table}"
         );
     }
+    // A policy named twice is replayed once: one row of one value per buffer size in each
+    // block of the table, not a doubled row under the same headers.
+    let twice = stdout(&run(
+        &[
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--policy",
+            "lru,lru",
+            "--slots",
+            "2,4",
+        ],
+        None,
+    ));
+    let rows: Vec<&str> = twice.lines().filter(|l| l.starts_with("lru ")).collect();
+    assert_eq!(rows.len(), 5, "{twice}");
+    assert!(
+        rows.iter().all(|r| r.split_whitespace().count() == 3),
+        "{twice}"
+    );
     let json = stdout(&run(
         &["replay", "--trace", trace.to_str().unwrap(), "--json"],
         None,

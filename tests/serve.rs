@@ -731,6 +731,15 @@ fn flags_are_checked_and_a_busy_port_is_named() {
     }
     let out = common::cli::run(&["serve", "--model", b, "--api-key", " spaced "], None);
     common::cli::assert_usage(&out, &["whitespace"]);
+    // An empty key asked for is not a server without one (bounded: such a server would run).
+    let out = common::cli::run_within(&["serve", "--model", b, "--port", "0", "--api-key", ""], 60);
+    common::cli::assert_usage(&out, &["--api-key is empty"]);
+    let out = common::cli::run_within_env(
+        &["serve", "--model", b, "--port", "0"],
+        &[("EDGEMOE_API_KEY", "")],
+        60,
+    );
+    common::cli::assert_usage(&out, &["EDGEMOE_API_KEY is set but empty"]);
 
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = busy.local_addr().unwrap().port().to_string();

@@ -133,9 +133,115 @@ pub fn read_trace(path: &Path) -> Result<(TraceHeader, Vec<TraceEvent>)> {
         if line.trim().is_empty() {
             continue;
         }
-        let event = serde_json::from_str(&line)
+        let event: TraceEvent = serde_json::from_str(&line)
+            .map_err(|e| Error::format(path, format!("line {}: {e}", i + 2)))?;
+        check_layers(&header.layers, &event)
             .map_err(|e| Error::format(path, format!("line {}: {e}", i + 2)))?;
         events.push(event);
     }
     Ok((header, events))
+}
+
+/// Fails unless every layer `event` names is an MoE block of its stack in `layers` (the
+/// header's map), and its executing decoder layer one of the decoder's MoE layers: an access to
+/// a block the model does not have would be replayed as an expert of its own.
+fn check_layers(layers: &LayerMap, event: &TraceEvent) -> std::result::Result<(), String> {
+    for id in std::iter::once(event.id()).chain(event.pinned.iter().copied()) {
+        if layers.moe_index(id.stack, usize::from(id.layer)).is_none() {
+            return Err(format!(
+                "{:?} block {} is not one of the header's MoE blocks of that stack ({:?})",
+                id.stack,
+                id.layer,
+                layers.blocks(id.stack)
+            ));
+        }
+    }
+    if let Some(current) = event.current {
+        if usize::from(current) >= layers.decoder_layers() {
+            return Err(format!(
+                "executing decoder MoE layer {current}, but the header has {} decoder MoE layers",
+                layers.decoder_layers()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> TraceHeader {
+        TraceHeader {
+            edgemoe_trace: TRACE_VERSION,
+            slots: 4,
+            policy: Policy::Lru,
+            prefetch: false,
+            layers: LayerMap {
+                encoder_moe_blocks: vec![1, 3],
+                decoder_moe_blocks: vec![1],
+            },
+            seeds: Seeds::default(),
+        }
+    }
+
+    fn demand(stack: Stack, layer: u16, expert: u16) -> TraceEvent {
+        TraceEvent {
+            token: 0,
+            kind: AccessKind::Demand,
+            stack,
+            layer,
+            expert,
+            current: None,
+            pinned: Vec::new(),
+            waited_ms: None,
+        }
+    }
+
+    /// Writes a trace of `events` and reads it back.
+    fn round_trip(events: &[TraceEvent]) -> Result<(TraceHeader, Vec<TraceEvent>)> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.jsonl");
+        let mut writer = TraceWriter::create(&path, &header()).unwrap();
+        for event in events {
+            writer.event(event).unwrap();
+        }
+        writer.finish().unwrap();
+        read_trace(&path)
+    }
+
+    #[test]
+    fn events_on_blocks_the_header_does_not_have_are_refused_by_line() {
+        let good = demand(Stack::Encoder, 3, 7);
+        let decoding = TraceEvent {
+            current: Some(0),
+            pinned: vec![good.id()],
+            ..demand(Stack::Decoder, 1, 0)
+        };
+        let (_, events) = round_trip(&[good.clone(), decoding.clone()]).unwrap();
+        assert_eq!(events, [good.clone(), decoding.clone()]);
+
+        let not_moe = demand(Stack::Encoder, 2, 0);
+        let far = demand(Stack::Decoder, 65535, 0);
+        let pinned = TraceEvent {
+            pinned: vec![not_moe.id()],
+            ..good.clone()
+        };
+        let executing = TraceEvent {
+            current: Some(1),
+            ..decoding.clone()
+        };
+        for (bad, needle) in [
+            (
+                not_moe,
+                "Encoder block 2 is not one of the header's MoE blocks",
+            ),
+            (far, "Decoder block 65535"),
+            (pinned, "Encoder block 2"),
+            (executing, "executing decoder MoE layer 1"),
+        ] {
+            let err = round_trip(&[good.clone(), bad]).unwrap_err().to_string();
+            assert!(err.contains("line 3") && err.contains(needle), "{err}");
+        }
+    }
 }

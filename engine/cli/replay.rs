@@ -55,10 +55,15 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             .chain([Policy::Belady])
             .collect()
     } else {
-        args.policy
-            .iter()
-            .map(|p| p.parse::<Policy>().map_err(anyhow::Error::msg))
-            .collect::<Result<_>>()?
+        // Each policy once, in the order first named (its table row and JSON key are its name).
+        let mut policies = Vec::new();
+        for name in &args.policy {
+            let policy = name.parse::<Policy>().map_err(anyhow::Error::msg)?;
+            if !policies.contains(&policy) {
+                policies.push(policy);
+            }
+        }
+        policies
     };
     // More slots than the trace has distinct experts behave like exactly that many: such sizes
     // are replayed (and reported) as "all experts", once.

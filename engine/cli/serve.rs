@@ -71,11 +71,24 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let inputs = [("--model", args.model.as_path())];
     args.cache.check(&inputs)?;
     check_default_bundle(&args.model)?;
+    // An empty key would serve without authentication although a key was asked for.
     let api_key = match args.api_key.clone() {
+        Some(key) if key.is_empty() => {
+            return Err(super::usage(
+                "--api-key is empty: pass a key, or leave the flag out to serve without one",
+            ))
+        }
         Some(key) => Some(key),
-        None => std::env::var(API_KEY_ENV).ok(),
-    }
-    .filter(|k| !k.is_empty());
+        None => match std::env::var(API_KEY_ENV) {
+            Ok(key) if key.is_empty() => {
+                return Err(super::usage(format!(
+                    "{API_KEY_ENV} is set but empty: set a key, or unset it to serve without one"
+                )))
+            }
+            Ok(key) => Some(key),
+            Err(_) => None,
+        },
+    };
     if api_key.as_deref().is_some_and(|k| k.trim() != k) {
         return Err(super::usage(
             "the API key starts or ends with whitespace: a bearer token cannot carry it",

@@ -91,7 +91,19 @@ pub fn run_with_closed_stdout(args: &[&str]) -> Output {
 /// [`run`] with no standard input that must end within `secs` seconds (it is killed and the
 /// test fails otherwise: a run blocked on opening a FIFO, say).
 pub fn run_within(args: &[&str], secs: u64) -> Output {
-    let mut child = spawn(args, Stdio::null());
+    run_within_env(args, &[], secs)
+}
+
+/// [`run_within`] with `env` added to the environment.
+pub fn run_within_env(args: &[&str], env: &[(&str, &str)], secs: u64) -> Output {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_edgemoe"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let start = std::time::Instant::now();
     while child.try_wait().unwrap().is_none() {
         if start.elapsed().as_secs() >= secs {
