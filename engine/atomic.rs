@@ -305,37 +305,67 @@ pub fn canonical(path: &Path) -> Result<PathBuf> {
 /// `/dev/stdin` and `/dev/stdout`, which may well be the same terminal) are not files to
 /// overwrite and are left out.
 pub fn refuse_overlap(output: (&str, &Path), inputs: &[(&str, &Path)]) -> Result<()> {
-    let is_stream = |p: &Path| {
-        std::fs::metadata(p)
-            .map(|m| !m.is_file() && !m.is_dir())
-            .unwrap_or(false)
-    };
-    let (out_flag, out_path) = output;
-    if is_stream(out_path) {
-        return Ok(());
-    }
-    let out = canonical(out_path)?;
-    for &(flag, path) in inputs {
-        if is_stream(path) {
-            continue;
+    refuse_overlaps(&[output], inputs)
+}
+
+/// [`refuse_overlap`] for every output of one run, which must also be pairwise apart: two
+/// outputs on one path (or one inside the other) would lose one of them. An output's name is
+/// its flag, optionally followed by what the file is (`--out (its report)`, for a file written
+/// beside the flag's path); the error asks for another value of that flag.
+pub fn refuse_overlaps(outputs: &[(&str, &Path)], inputs: &[(&str, &Path)]) -> Result<()> {
+    let resolved = |named: &[(&str, &Path)]| -> Result<Vec<(String, PathBuf, String)>> {
+        let mut files = Vec::new();
+        for &(name, path) in named {
+            if !is_stream(path) {
+                files.push((
+                    name.to_string(),
+                    canonical(path)?,
+                    path.display().to_string(),
+                ));
+            }
         }
-        let input = canonical(path)?;
-        let how = if out == input {
-            "is the same path as"
-        } else if input.starts_with(&out) {
-            "contains"
-        } else if out.starts_with(&input) {
-            "lies inside"
-        } else {
-            continue;
-        };
-        return Err(Error::Input(format!(
-            "{out_flag} {} {how} {flag} {}: writing it would overwrite the input; choose another {out_flag}",
-            out_path.display(),
-            path.display()
-        )));
+        Ok(files)
+    };
+    let outputs = resolved(outputs)?;
+    let inputs = resolved(inputs)?;
+    for (i, (out_name, out, out_shown)) in outputs.iter().enumerate() {
+        let flag = out_name.split_whitespace().next().unwrap_or(out_name);
+        for (name, input, shown) in &inputs {
+            if let Some(how) = overlap(out, input) {
+                return Err(Error::Input(format!(
+                    "{out_name} {out_shown} {how} {name} {shown}: writing it would overwrite the input; choose another {flag}"
+                )));
+            }
+        }
+        for (name, other, shown) in &outputs[..i] {
+            if let Some(how) = overlap(out, other) {
+                return Err(Error::Input(format!(
+                    "{out_name} {out_shown} {how} {name} {shown}: one run cannot write both; choose another {flag}"
+                )));
+            }
+        }
     }
     Ok(())
+}
+
+/// A FIFO or a device: nothing a write could replace.
+fn is_stream(path: &Path) -> bool {
+    std::fs::metadata(path)
+        .map(|m| !m.is_file() && !m.is_dir())
+        .unwrap_or(false)
+}
+
+/// How canonical path `a` overlaps canonical path `b`, if it does.
+fn overlap(a: &Path, b: &Path) -> Option<&'static str> {
+    if a == b {
+        Some("is the same path as")
+    } else if b.starts_with(a) {
+        Some("contains")
+    } else if a.starts_with(b) {
+        Some("lies inside")
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]

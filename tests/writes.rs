@@ -2,11 +2,16 @@
 //! links resolved) or a folder that is not a bundle (unless `--force`) before it touches
 //! anything, and replaces an existing bundle only once the new one is complete: a re-convert
 //! that fails, or is killed at any moment, leaves the old bundle loadable and whole. The other
-//! commands refuse an output file that is one of their inputs or lies inside the bundle.
+//! commands refuse, before writing anything, an output file that is one of their inputs (every
+//! bundle included) or another of their outputs, or lies inside one; `tune-bits` checks the
+//! files it writes beside its plan, `bench` writes only into a new or empty folder or an
+//! earlier bench's, and `probe-storage` writes no profile into a bundle or over another file.
 
 mod common;
 
 use std::path::{Path, PathBuf};
+
+use edgemoe::offline::bit_plan::BitPlan;
 
 use common::checkpoint::{copy_dir, drop_tensor, poison_tensor, snapshot};
 use common::cli::{assert_fails, run, stdout};
@@ -166,6 +171,78 @@ fn other_commands_refuse_an_output_that_is_an_input() {
         .concat(),
         Some("A: hi"),
     ));
+}
+
+/// Every output of a run is checked against every input, the `--quantized` bundle included,
+/// and against the run's other outputs: two outputs on one path would lose one.
+#[test]
+fn every_output_is_checked_against_every_input_and_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = common::demo_checkpoint();
+    let bundle = common::convert_to(&hf, dir.path());
+    let int4 = edgemoe::store::ExpertEncoding::Quant(edgemoe::quant::QuantBits::Int4);
+    let quantized = common::convert_with(&hf, &dir.path().join("q"), BitPlan::uniform(int4));
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n").unwrap();
+    let shared = dir.path().join("shared.txt");
+    let before = (snapshot(&bundle), snapshot(&quantized));
+    let quantized_config = quantized.join("config.json");
+    let quantized_tokenizer = quantized.join("tokenizer.json");
+    let run_args = ["--model", s(&bundle), "--max-new-tokens", "2"];
+    let with_quantized = ["--quantized", s(&quantized), "--mode", "q+p"];
+    let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (
+            [
+                &["summarize", "--input", s(&data), "--stats-json"][..],
+                &[s(&quantized_config)],
+                &with_quantized,
+            ]
+            .concat(),
+            vec!["--stats-json", "lies inside --quantized"],
+        ),
+        (
+            [
+                &["eval", "--data", s(&data), "--predictions"][..],
+                &[s(&quantized_tokenizer)],
+                &with_quantized,
+            ]
+            .concat(),
+            vec!["--predictions", "lies inside --quantized"],
+        ),
+        (
+            vec![
+                "summarize",
+                "--input",
+                s(&data),
+                "--trace",
+                s(&shared),
+                "--stats-json",
+                s(&shared),
+            ],
+            vec!["--trace", "is the same path as --stats-json", "both"],
+        ),
+        (
+            vec![
+                "eval",
+                "--data",
+                s(&data),
+                "--predictions",
+                s(&shared),
+                "--trace",
+                s(&shared),
+            ],
+            vec!["--trace", "is the same path as --predictions", "both"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let out = run(&[&args[..], &run_args].concat(), None);
+        assert_fails(&out, &needles);
+        assert!(
+            (snapshot(&bundle), snapshot(&quantized)) == before,
+            "{args:?} changed a bundle"
+        );
+        assert!(!shared.exists(), "{args:?} wrote {}", shared.display());
+    }
 }
 
 #[test]

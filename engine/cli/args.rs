@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::Args;
 
-use edgemoe::atomic::refuse_overlap;
+use edgemoe::atomic::refuse_overlaps;
 use edgemoe::cache::Policy;
 use edgemoe::config::profile::{DeviceKind, DeviceProfile, BUILT_IN};
 use edgemoe::generation::report::RunStats;
@@ -73,14 +73,12 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
-    /// Fails unless `--stats-json` can be written without touching any of `inputs`: checked
-    /// before any work starts.
-    pub fn check(&self, inputs: &[(&str, &Path)]) -> Result<()> {
-        if let Some(path) = &self.stats_json {
-            check_output_path("--stats-json", path)?;
-            refuse_overlap(("--stats-json", path), inputs)?;
-        }
-        Ok(())
+    /// The files this run writes, by flag.
+    pub fn outputs(&self) -> Vec<(&'static str, &Path)> {
+        self.stats_json
+            .iter()
+            .map(|path| ("--stats-json", path.as_path()))
+            .collect()
     }
 
     /// Prints the statistics line (unless `--quiet`) and writes `--stats-json`.
@@ -173,9 +171,9 @@ pub struct RunSettings {
 
 impl CacheArgs {
     /// Checked before any work starts: flags that do not go together (a [`Usage`] error, exit
-    /// status 2), and that `--trace` can be written without touching any of `inputs` (or the
-    /// `--quantized` bundle).
-    pub fn check(&self, inputs: &[(&str, &Path)]) -> Result<()> {
+    /// status 2). What the run reads and writes is checked by [`check_writes`] with
+    /// [`CacheArgs::inputs`] and [`CacheArgs::outputs`].
+    pub fn check(&self) -> Result<()> {
         if self.trace.is_some() && !self.mode.has_buffer() {
             return Err(usage(format!(
                 "--trace records expert-buffer accesses: mode `{}` has no expert buffer (use edgemoe, q+p or q+p+c)",
@@ -199,14 +197,32 @@ impl CacheArgs {
                 "--storage emulate paces reads to a device profile: pass --profile NAME|FILE",
             ));
         }
-        if let Some(path) = &self.trace {
-            check_output_path("--trace", path)?;
-            refuse_overlap(("--trace", path), inputs)?;
-            if let Some(quantized) = &self.quantized {
-                refuse_overlap(("--trace", path), &[("--quantized", quantized)])?;
-            }
-        }
         Ok(())
+    }
+
+    /// What these flags make a run read besides its model: the `--quantized` bundle and a
+    /// `--profile` file.
+    pub fn inputs(&self) -> Vec<(&'static str, &Path)> {
+        let profile_file = self
+            .profile
+            .as_deref()
+            .map(Path::new)
+            .filter(|path| path.is_file());
+        [
+            ("--quantized", self.quantized.as_deref()),
+            ("--profile", profile_file),
+        ]
+        .into_iter()
+        .filter_map(|(flag, path)| path.map(|p| (flag, p)))
+        .collect()
+    }
+
+    /// The files these flags make a run write: the `--trace`.
+    pub fn outputs(&self) -> Vec<(&'static str, &Path)> {
+        self.trace
+            .iter()
+            .map(|path| ("--trace", path.as_path()))
+            .collect()
     }
 
     /// The device asked for by flag, if any.
@@ -287,6 +303,16 @@ pub fn parse_stand_in(text: &str) -> std::result::Result<QuantBits, String> {
             "`{text}` is not a stand-in width: int2, int4 or int8"
         )),
     }
+}
+
+/// Checked before any work starts: every output of a run can be written (its directory exists
+/// and is writable, it is no directory), and none overwrites an input or another output.
+pub fn check_writes(outputs: &[(&str, &Path)], inputs: &[(&str, &Path)]) -> Result<()> {
+    for &(name, path) in outputs {
+        check_output_path(name, path)?;
+    }
+    refuse_overlaps(outputs, inputs)?;
+    Ok(())
 }
 
 /// A built-in profile name, or the path of an existing file (read and validated later: a bad

@@ -8,10 +8,9 @@ use clap::Args;
 use edgemoe::bundle::Bundle;
 use edgemoe::generation::decoding::DecodeOptions;
 use edgemoe::generation::session::{Session, SessionOptions};
-use edgemoe::io::check_output_path;
 use edgemoe::offline::eval::{evaluate, read_examples};
 
-use super::args::{check_default_bundle, parse_count, CacheArgs, DEFAULT_BUNDLE};
+use super::args::{check_default_bundle, check_writes, parse_count, CacheArgs, DEFAULT_BUNDLE};
 use super::rouge::print_scores;
 
 #[derive(Args, Debug)]
@@ -45,15 +44,17 @@ pub struct EvalArgs {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
-    let inputs = [
+    let mut inputs = vec![
         ("--model", args.model.as_path()),
         ("--data", args.data.as_path()),
     ];
+    inputs.extend(args.cache.inputs());
+    let mut outputs = args.cache.outputs();
     if let Some(path) = &args.predictions {
-        check_output_path("--predictions", path)?;
-        edgemoe::atomic::refuse_overlap(("--predictions", path), &inputs)?;
+        outputs.insert(0, ("--predictions", path.as_path()));
     }
-    args.cache.check(&inputs)?;
+    args.cache.check()?;
+    check_writes(&outputs, &inputs)?;
     check_default_bundle(&args.model)?;
     let examples = read_examples(&args.data, args.limit)?;
     let bundle = Bundle::open(&args.model)?;

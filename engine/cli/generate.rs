@@ -15,7 +15,7 @@ use edgemoe::generation::session::{run_model, Session, SessionOptions};
 use edgemoe::Error;
 
 use super::args::{
-    parse_ids, parse_temperature, parse_top_p, read_input, CacheArgs, Ids, OutputArgs,
+    check_writes, parse_ids, parse_temperature, parse_top_p, read_input, CacheArgs, Ids, OutputArgs,
 };
 
 #[derive(Args, Debug)]
@@ -59,9 +59,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "decoder-only models run on the CPU in this build: pass --device cpu",
         ));
     }
-    let inputs = [("--model", args.model.as_path())];
-    args.output.check(&inputs)?;
-    args.cache.check(&inputs)?;
+    let inputs = [vec![("--model", args.model.as_path())], args.cache.inputs()].concat();
+    args.cache.check()?;
+    check_writes(
+        &[args.output.outputs(), args.cache.outputs()].concat(),
+        &inputs,
+    )?;
     let bundle = Bundle::open(&args.model)?;
     let tokenizer = bundle.tokenizer()?;
     let generation = bundle.config.generation.clone();

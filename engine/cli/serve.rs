@@ -14,7 +14,9 @@ use edgemoe::generation::session::SessionOptions;
 use edgemoe::serve::api::Limits;
 use edgemoe::serve::{serve, session_options, ServeOptions};
 
-use super::args::{check_default_bundle, parse_budget, parse_count, CacheArgs, DEFAULT_BUNDLE};
+use super::args::{
+    check_default_bundle, check_writes, parse_budget, parse_count, CacheArgs, DEFAULT_BUNDLE,
+};
 
 /// The environment variable that gives the API key when `--api-key` does not.
 const API_KEY_ENV: &str = "EDGEMOE_API_KEY";
@@ -68,8 +70,9 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let inputs = [("--model", args.model.as_path())];
-    args.cache.check(&inputs)?;
+    let inputs = [vec![("--model", args.model.as_path())], args.cache.inputs()].concat();
+    args.cache.check()?;
+    check_writes(&args.cache.outputs(), &inputs)?;
     check_default_bundle(&args.model)?;
     // An empty key would serve without authentication although a key was asked for.
     let api_key = match args.api_key.clone() {

@@ -12,7 +12,9 @@ use edgemoe::generation::input::parse_documents;
 use edgemoe::generation::report::RunStats;
 use edgemoe::generation::session::{Session, SessionOptions};
 
-use super::args::{check_default_bundle, read_input, CacheArgs, OutputArgs, DEFAULT_BUNDLE};
+use super::args::{
+    check_default_bundle, check_writes, read_input, CacheArgs, OutputArgs, DEFAULT_BUNDLE,
+};
 
 #[derive(Args, Debug)]
 pub struct SummarizeArgs {
@@ -46,8 +48,12 @@ pub fn run(args: SummarizeArgs) -> Result<()> {
     if args.input != "-" {
         inputs.push(("--input", std::path::Path::new(&args.input)));
     }
-    args.output.check(&inputs)?;
-    args.cache.check(&inputs)?;
+    inputs.extend(args.cache.inputs());
+    args.cache.check()?;
+    check_writes(
+        &[args.output.outputs(), args.cache.outputs()].concat(),
+        &inputs,
+    )?;
     check_default_bundle(&args.model)?;
     let (text, source) = read_input(&args.input)?;
     let documents = parse_documents(&text, &source)?;
