@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use edgemoe::offline::bit_plan::BitPlan;
 
 use common::checkpoint::{copy_dir, drop_tensor, poison_tensor, snapshot};
-use common::cli::{assert_fails, run, stdout};
+use common::cli::{assert_fails, assert_usage, run, stdout};
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -243,6 +243,69 @@ fn every_output_is_checked_against_every_input_and_each_other() {
         );
         assert!(!shared.exists(), "{args:?} wrote {}", shared.display());
     }
+}
+
+/// `tune-bits` checks every file it writes beside its plan (report, measurement cache, heat
+/// map) against its inputs, and refuses to tune on no generated tokens.
+#[test]
+fn tune_bits_keeps_its_inputs_and_needs_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::convert_to(&common::demo_checkpoint(), dir.path());
+    // Validation data named like the report of plan `q.json`.
+    let data = dir.path().join("q.report.json");
+    let line = "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n";
+    std::fs::write(&data, line).unwrap();
+    let plan = dir.path().join("q.json");
+    let args = |max_new_tokens| {
+        run(
+            &[
+                "tune-bits",
+                "--model",
+                s(&bundle),
+                "--data",
+                s(&data),
+                "--max-loss",
+                "5%",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                max_new_tokens,
+                "--out",
+                s(&plan),
+            ],
+            None,
+        )
+    };
+    assert_fails(
+        &args("2"),
+        &[
+            "--out (its report)",
+            "is the same path as --data",
+            "q.report.json",
+        ],
+    );
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), line);
+    assert!(!plan.exists());
+    let data = dir.path().join("val.jsonl");
+    std::fs::write(&data, line).unwrap();
+    let out = run(
+        &[
+            "tune-bits",
+            "--model",
+            s(&bundle),
+            "--data",
+            s(&data),
+            "--max-loss",
+            "5%",
+            "--max-new-tokens",
+            "0",
+            "--out",
+            s(&plan),
+        ],
+        None,
+    );
+    assert_usage(&out, &["--max-new-tokens", "at least 1"]);
+    assert!(!plan.exists());
 }
 
 #[test]

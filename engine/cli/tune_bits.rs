@@ -6,10 +6,10 @@ use anyhow::Result;
 use clap::Args;
 
 use edgemoe::bench::charts::importance_heatmap;
-use edgemoe::offline::tune::{tune_bits, TuneBitsOptions, TuneSource};
+use edgemoe::offline::tune::{beside_plan, tune_bits, TuneBitsOptions, TuneSource};
 use edgemoe::units::format_bytes;
 
-use super::args::{parse_count, parse_fraction};
+use super::args::{check_writes, parse_count, parse_fraction};
 
 #[derive(Args, Debug)]
 pub struct TuneBitsArgs {
@@ -33,8 +33,9 @@ pub struct TuneBitsArgs {
     /// Use the first N validation examples.
     #[arg(long, value_name = "N", default_value = "20", value_parser = parse_count)]
     limit: usize,
-    /// Most tokens generated per example (default: the model's generation config).
-    #[arg(long, value_name = "N")]
+    /// Most tokens generated per example (default: the model's generation config); at least 1,
+    /// since the widths are chosen by how the generated tokens change.
+    #[arg(long, value_name = "N", value_parser = parse_count)]
     max_new_tokens: Option<usize>,
     /// Plan to write; the report (PLAN.report.json), the importance heat map
     /// (PLAN.importance.svg) and the measurement cache (PLAN.measurements.json) go beside it.
@@ -43,8 +44,6 @@ pub struct TuneBitsArgs {
 }
 
 pub fn run(args: TuneBitsArgs) -> Result<()> {
-    edgemoe::io::check_output_path("--out", &args.out)?;
-    // The plan and the files beside it (report, heat map, measurement cache).
     let inputs: Vec<(&str, &std::path::Path)> = [
         ("--model", args.model.as_deref()),
         ("--hf", args.hf.as_deref()),
@@ -53,7 +52,22 @@ pub fn run(args: TuneBitsArgs) -> Result<()> {
     .into_iter()
     .filter_map(|(flag, path)| path.map(|p| (flag, p)))
     .collect();
-    edgemoe::atomic::refuse_overlap(("--out", &args.out), &inputs)?;
+    // The plan and every file written beside it.
+    let beside = |suffix| beside_plan(&args.out, suffix);
+    let (report, measurements, heat_map, heat_map_png) = (
+        beside("report.json"),
+        beside("measurements.json"),
+        beside("importance.svg"),
+        beside("importance.png"),
+    );
+    let outputs = [
+        ("--out", args.out.as_path()),
+        ("--out (its report)", &report),
+        ("--out (its measurement cache)", &measurements),
+        ("--out (its heat map)", &heat_map),
+        ("--out (its heat map)", &heat_map_png),
+    ];
+    check_writes(&outputs, &inputs)?;
     let source = match (args.model, args.hf) {
         (Some(model), _) => TuneSource::Bundle(model),
         (None, Some(hf)) => TuneSource::Checkpoint(hf),
