@@ -308,6 +308,69 @@ fn tune_bits_keeps_its_inputs_and_needs_tokens() {
     assert!(!plan.exists());
 }
 
+/// `bench` writes into a new or empty `--out`, or one an earlier bench wrote, and checks it
+/// before writing anything: a folder of the user's, or a `quantized-int4` that is not a bundle,
+/// is refused whole.
+#[test]
+fn bench_writes_only_over_an_earlier_bench() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::convert_to(&common::demo_checkpoint(), dir.path());
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(&data, "{\"dialogue\": \"A: hi\"}\n").unwrap();
+    let bench = |out: &Path| {
+        run(
+            &[
+                "bench",
+                "--model",
+                s(&bundle),
+                "--data",
+                s(&data),
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "2",
+                "--no-cgroup",
+                "--storage",
+                "cached",
+                "--modes",
+                "q",
+                "--buffer-experts",
+                "4",
+                "--out",
+                s(out),
+            ],
+            None,
+        )
+    };
+    let mine = dir.path().join("mine");
+    std::fs::create_dir_all(mine.join("quantized-int4")).unwrap();
+    std::fs::write(mine.join("input.jsonl"), "keep me").unwrap();
+    std::fs::write(mine.join("quantized-int4/notes.txt"), "keep me").unwrap();
+    let before = snapshot(&mine);
+    assert_fails(
+        &bench(&mine),
+        &["--out", "not the output of an earlier bench", "input.jsonl"],
+    );
+    assert!(snapshot(&mine) == before);
+    // Shaped like an earlier bench's output, but its quantized-int4 is no bundle.
+    std::fs::create_dir(mine.join("runs")).unwrap();
+    assert_fails(
+        &bench(&mine),
+        &[
+            "quantized-int4",
+            "not a model bundle",
+            "notes.txt",
+            "--quantized",
+        ],
+    );
+    assert!(snapshot(&mine) == before);
+    // A new folder, then the same one again.
+    let out = dir.path().join("bench");
+    stdout(&bench(&out));
+    stdout(&bench(&out));
+    assert!(out.join("results.json").is_file());
+}
+
 #[test]
 fn a_folder_that_is_not_a_bundle_is_kept_unless_forced() {
     let dir = tempfile::tempdir().unwrap();

@@ -39,6 +39,14 @@ use crate::runtime::modes::Mode;
 use crate::store::{ExpertEncoding, StorageMode};
 use crate::units::format_bytes;
 
+/// The folder of the all-INT4 copy of the model made in `out` when no quantized bundle is given.
+const QUANTIZED_DIR: &str = "quantized-int4";
+/// The documents as the runs read them: with [`RUNS_DIR`], written first by every bench, so the
+/// two mark a folder as an earlier bench's output, whose files a new bench may replace.
+const INPUT_FILE: &str = "input.jsonl";
+/// Each run's statistics.
+const RUNS_DIR: &str = "runs";
+
 /// How the runs of each mode are sized.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BenchSizes {
@@ -219,7 +227,7 @@ fn quantized_bundle(options: &BenchOptions) -> Result<Option<PathBuf>> {
     if !options.modes.iter().any(|m| m.uses_quantized_store()) {
         return Ok(None);
     }
-    let q = options.out.join("quantized-int4");
+    let q = options.out.join(QUANTIZED_DIR);
     if options.show_progress {
         eprintln!(
             "writing an all-INT4 copy of {} into {}",
@@ -437,12 +445,13 @@ fn probe_footprint(
 /// is nothing to report and the benchmark is an error quoting the first failure. A run whose
 /// statistics cannot be read back is an error.
 pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
+    check_out_dir(options)?;
     let profile = DeviceProfile::load(&options.profile)?;
     let out = &options.out;
-    std::fs::create_dir_all(out.join("runs")).map_err(|e| Error::io(out, e))?;
+    std::fs::create_dir_all(out.join(RUNS_DIR)).map_err(|e| Error::io(out, e))?;
     // The documents, as JSON lines for the child processes.
     let documents = read_documents(&options.data, Some(options.limit))?;
-    let input = out.join("input.jsonl");
+    let input = out.join(INPUT_FILE);
     let lines: Vec<String> = documents
         .iter()
         .map(|d| serde_json::json!({ "document": d }).to_string())
@@ -644,6 +653,65 @@ pub fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         failed,
         cgroup_note,
     })
+}
+
+/// Fails before anything is written when bench would write over files it did not write: when
+/// `out` is neither new, nor empty, nor an earlier bench's output (which holds `input.jsonl` and
+/// `runs/`), or, where the all-INT4 copy is made in it, its `quantized-int4` is not a bundle.
+pub fn check_out_dir(options: &BenchOptions) -> Result<()> {
+    let out = &options.out;
+    let shown = |names: &[String]| {
+        let first: Vec<&str> = names.iter().take(3).map(String::as_str).collect();
+        format!(
+            "{}{}",
+            first.join(", "),
+            if names.len() > 3 { ", …" } else { "" }
+        )
+    };
+    match std::fs::metadata(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(out, e)),
+        Ok(meta) if !meta.is_dir() => {
+            return Err(Error::Input(format!(
+                "--out {}: exists and is not a directory",
+                out.display()
+            )))
+        }
+        Ok(_) => {}
+    }
+    let mut entries = Vec::new();
+    for entry in std::fs::read_dir(out).map_err(|e| Error::io(out, e))? {
+        let entry = entry.map_err(|e| Error::io(out, e))?;
+        entries.push(entry.file_name().to_string_lossy().into_owned());
+    }
+    entries.sort();
+    let earlier_bench = out.join(INPUT_FILE).is_file() && out.join(RUNS_DIR).is_dir();
+    if !entries.is_empty() && !earlier_bench {
+        return Err(Error::Input(format!(
+            "--out {}: not empty and not the output of an earlier bench (it holds {}); bench would write over files it did not write: choose a new or empty --out",
+            out.display(),
+            shown(&entries)
+        )));
+    }
+    let makes_copy =
+        options.quantized.is_none() && options.modes.iter().any(|m| m.uses_quantized_store());
+    let copy = out.join(QUANTIZED_DIR);
+    if makes_copy && std::fs::symlink_metadata(&copy).is_ok() {
+        let foreign = if copy.is_dir() {
+            crate::bundle::foreign_entries(&copy)?
+        } else {
+            vec![QUANTIZED_DIR.to_string()]
+        };
+        if !foreign.is_empty() {
+            return Err(Error::Input(format!(
+                "--out {}: {} is not a model bundle (it holds {}); bench writes its all-INT4 copy of --model there: move it away, choose another --out, or pass --quantized BUNDLE",
+                out.display(),
+                copy.display(),
+                shown(&foreign)
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `latency.svg`, `latency-vs-budget.svg`, `sample-cdf.svg` and, when any of its modes ran,

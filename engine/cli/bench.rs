@@ -76,6 +76,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(q) = &args.quantized {
         inputs.push(("--quantized", q.as_path()));
     }
+    let profile_file = std::path::Path::new(&args.profile);
+    if profile_file.is_file() {
+        inputs.push(("--profile", profile_file));
+    }
     edgemoe::atomic::refuse_overlap(("--out", &args.out), &inputs)?;
     let sizes = if args.buffer_experts.is_empty() {
         BenchSizes::Budgets(args.budgets)
