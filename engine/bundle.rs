@@ -45,6 +45,13 @@ pub const BUNDLE_FILES: [&str; 6] = [
     MANIFEST_FILE,
 ];
 
+/// Whether directory `dir` holds a model bundle (or most of one): its config with its manifest
+/// or expert store.
+pub fn looks_like_bundle(dir: &Path) -> bool {
+    dir.join(CONFIG_FILE).is_file()
+        && (dir.join(MANIFEST_FILE).is_file() || dir.join(EXPERTS_FILE).is_file())
+}
+
 /// The entries of directory `dir` that are no bundle file (sorted): what replacing `dir` with a
 /// bundle would destroy.
 pub fn foreign_entries(dir: &Path) -> Result<Vec<String>> {

@@ -371,6 +371,50 @@ fn bench_writes_only_over_an_earlier_bench() {
     assert!(out.join("results.json").is_file());
 }
 
+/// `probe-storage --write-profile` never writes into a model bundle, nor over a file that is not
+/// a device profile.
+#[test]
+fn probe_storage_writes_no_profile_over_a_bundle_or_a_foreign_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::convert_to(&common::demo_checkpoint(), dir.path());
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(&data, "keep me").unwrap();
+    let before = snapshot(&bundle);
+    let experts = bundle.join("experts.bin");
+    let config = bundle.join("config.json");
+    let new_in_bundle = bundle.join("board.toml");
+    let cases: Vec<(&Path, Vec<&str>)> = vec![
+        (
+            &config,
+            vec!["--write-profile", "config.json", "model bundle"],
+        ),
+        (&new_in_bundle, vec!["--write-profile", "model bundle"]),
+        (
+            &data,
+            vec!["--write-profile", "data.jsonl", "not a device profile"],
+        ),
+    ];
+    for (profile, needles) in cases {
+        let out = run(
+            &[
+                "probe-storage",
+                s(&experts),
+                "--seconds",
+                "0.02",
+                "--write-profile",
+                s(profile),
+            ],
+            None,
+        );
+        assert_fails(&out, &needles);
+        assert!(
+            snapshot(&bundle) == before,
+            "{profile:?} changed the bundle"
+        );
+        assert_eq!(std::fs::read_to_string(&data).unwrap(), "keep me");
+    }
+}
+
 #[test]
 fn a_folder_that_is_not_a_bundle_is_kept_unless_forced() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,7 +1,7 @@
 //! `edgemoe probe-storage`: read throughput by read size and reads in flight, as a table or JSON;
 //! with `--write-profile`, a device profile with the measured bandwidth, latency and queue depth.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::Args;
@@ -9,7 +9,8 @@ use clap::Args;
 use edgemoe::bench::probe::{
     measure, storage_figures, ProbeFile, IN_FLIGHT, MIN_PROBE_BYTES, READ_SIZES,
 };
-use edgemoe::config::profile::derive_profile_toml;
+use edgemoe::config::profile::{derive_profile_toml, DeviceProfile};
+use edgemoe::error::Error;
 use edgemoe::units::format_bytes;
 
 use super::args::parse_budget;
@@ -64,21 +65,51 @@ fn parse_seconds(text: &str) -> std::result::Result<f64, String> {
     }
 }
 
+/// Fails unless the profile can go to `out` without losing anything: `out` is not in a model
+/// bundle's directory, and is new, a stream, or a storage profile already (rewritten with new
+/// figures).
+fn refuse_to_replace(out: &Path) -> Result<()> {
+    let dir = edgemoe::atomic::canonical(out)?
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    if edgemoe::bundle::looks_like_bundle(&dir) {
+        return Err(Error::Input(format!(
+            "--write-profile {}: lies inside the model bundle {}, which holds only the files `convert` writes; choose another --write-profile",
+            out.display(),
+            dir.display()
+        ))
+        .into());
+    }
+    if std::fs::metadata(out).is_ok_and(|m| m.is_file()) {
+        let text = std::fs::read_to_string(out).unwrap_or_default();
+        if DeviceProfile::parse(&text, out).is_err() {
+            return Err(Error::Input(format!(
+                "--write-profile {}: exists and is not a device profile; writing would replace it: choose another --write-profile",
+                out.display()
+            ))
+            .into());
+        }
+    }
+    Ok(())
+}
+
 pub fn run(args: ProbeArgs) -> Result<()> {
     if let Some(out) = &args.write_profile {
         edgemoe::io::check_output_path("--write-profile", out)?;
         // Never over what is read: the probed file, or the base profile's file.
-        let mut inputs: Vec<(&str, &std::path::Path)> = Vec::new();
+        let mut inputs: Vec<(&str, &Path)> = Vec::new();
         if args.path.is_file() {
             inputs.push(("PATH", &args.path));
         }
-        let base = std::path::Path::new(&args.base);
+        let base = Path::new(&args.base);
         if base.is_file() {
             inputs.push(("--base", base));
         }
         edgemoe::atomic::refuse_overlap(("--write-profile", out), &inputs)?;
+        refuse_to_replace(out)?;
         // A bad base is found before the probe runs.
-        edgemoe::config::profile::DeviceProfile::load(&args.base)?;
+        DeviceProfile::load(&args.base)?;
     }
     let file = ProbeFile::prepare(&args.path, args.size)?;
     let duration = std::time::Duration::from_secs_f64(args.seconds);
