@@ -295,6 +295,11 @@ impl WeightFiles {
         self.location.keys().map(String::as_str)
     }
 
+    /// `name`'s shape, or `None` when no file holds it.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.raw(name).ok().map(|raw| raw.shape)
+    }
+
     /// Where a missing tensor would have been looked for (for error messages).
     pub fn describe(&self) -> PathBuf {
         match self.files.as_slice() {

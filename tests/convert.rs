@@ -111,10 +111,47 @@ fn switch_checkpoints_that_disagree_with_their_config_are_refused() {
                     "shape [8, 256], expected [9, 256]",
                 ],
             ),
-            // And one with fewer experts leaves tensors unaccounted for.
+            // And one with fewer experts: the router names the field.
             Refusal(
                 Config("\"num_experts\": 8", "\"num_experts\": 4"),
-                &["expert_4", "the config and the weights disagree"],
+                &["router.classifier.weight", "`num_experts`", "disagrees"],
+            ),
+            // Hostile sizes are refused before anything is allocated for them, naming the
+            // field (and the tensor they disagree with).
+            Refusal(
+                Config("\"num_layers\": 4", "\"num_layers\": 9223372036854775807"),
+                &["config.json", "`num_layers`", "65536"],
+            ),
+            Refusal(
+                Config("\"num_layers\": 4", "\"num_layers\": 65536"),
+                &["config.json", "`num_layers` = 65536", "4 layers"],
+            ),
+            Refusal(
+                Config("\"num_layers\": 4", "\"num_layers\": 3"),
+                &["encoder.block.3", "`num_layers` = 3", "4 layers"],
+            ),
+            Refusal(
+                Config(
+                    "\"num_decoder_layers\": 4",
+                    "\"num_decoder_layers\": 9223372036854775807",
+                ),
+                &["config.json", "`num_decoder_layers`", "65536"],
+            ),
+            Refusal(
+                Config("\"d_kv\": 32", "\"d_kv\": 65536"),
+                &["SelfAttention.q.weight", "`d_kv`", "config.json"],
+            ),
+            Refusal(
+                Config("\"d_model\": 256", "\"d_model\": 1099511627776"),
+                &["config.json", "`d_model`"],
+            ),
+            // T5's position buckets go negative for long distances (transformers fails too).
+            Refusal(
+                Config(
+                    "\"relative_attention_max_distance\": 128",
+                    "\"relative_attention_max_distance\": 16",
+                ),
+                &["config.json", "`relative_attention_max_distance` = 16"],
             ),
             Refusal(
                 Config("\"d_ff\": 512", "\"d_ff\": 256"),
@@ -214,10 +251,34 @@ fn decoder_checkpoints_that_disagree_with_their_config_are_refused() {
                     "shape [8, 32], expected [9, 32]",
                 ],
             ),
-            // Fewer experts leave tensors unaccounted for.
+            // Fewer experts: the router names the field.
             Refusal(
                 Config("\"num_local_experts\": 8", "\"num_local_experts\": 6"),
-                &["experts.6", "the config and the weights disagree"],
+                &[
+                    "block_sparse_moe.gate.weight",
+                    "`num_local_experts`",
+                    "disagrees",
+                ],
+            ),
+            // Hostile sizes are refused before anything is allocated for them.
+            Refusal(
+                Config(
+                    "\"num_hidden_layers\": 2",
+                    "\"num_hidden_layers\": 9223372036854775807",
+                ),
+                &["config.json", "`num_hidden_layers`", "65536"],
+            ),
+            Refusal(
+                Config("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 65536"),
+                &["config.json", "`num_hidden_layers` = 65536", "2 layers"],
+            ),
+            Refusal(
+                Config("\"hidden_size\": 32", "\"hidden_size\": 1099511627776"),
+                &["config.json", "`hidden_size`"],
+            ),
+            Refusal(
+                Config("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"),
+                &["k_proj.weight", "`num_key_value_heads`", "config.json"],
             ),
             // An expert width that disagrees with the weights.
             Refusal(

@@ -96,9 +96,7 @@ impl BundleConfig {
                 message: format!("architecture `{}`", header.architecture),
             });
         };
-        model
-            .check_sizes()
-            .map_err(|message| Error::format(path, format!("invalid bundle config: {message}")))?;
+        model.validate(path)?;
         Ok(BundleConfig {
             format_version: header.format_version,
             architecture: header.architecture,
@@ -123,6 +121,51 @@ impl BundleConfig {
                 "generation    greedy (or --temperature/--top-p), max {} new tokens, stops at {:?}",
                 g.max_new_tokens, g.stop_token_ids
             ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use serde_json::{json, Value};
+
+    /// The bundle config `convert` writes for fixture `name`, as JSON.
+    fn converted_config(name: &str) -> Value {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        let config = crate::offline::convert::read_hf_config(&fixture).unwrap();
+        serde_json::to_value(&config).unwrap()
+    }
+
+    #[test]
+    fn a_bundle_config_is_refused_where_convert_refuses_the_same_values() {
+        let path = Path::new("bundle/config.json");
+        let refusals = [
+            ("tiny-tied-e4", "layer_norm_epsilon", json!(-1.0)),
+            ("tiny-tied-e4", "layer_norm_epsilon", json!(0.0)),
+            ("tiny-tied-e4", "relative_attention_max_distance", json!(8)),
+            ("tiny-tied-e4", "relative_attention_max_distance", json!(1)),
+            ("tiny-mixtral", "rms_norm_eps", json!(-1.0)),
+            ("tiny-mixtral", "rope_theta", json!(0.0)),
+            ("tiny-mixtral", "rope_theta", json!(-5.0)),
+            ("tiny-mixtral", "attention_windows", json!([0, 0])),
+            ("tiny-olmoe", "clip_qkv", json!(-1.0)),
+            ("tiny-olmoe", "clip_qkv", json!(0.0)),
+        ];
+        for (fixture, field, value) in refusals {
+            let mut config = converted_config(fixture);
+            BundleConfig::parse(path, &config.to_string()).expect("the converted config loads");
+            config["model"][field] = value.clone();
+            let error = BundleConfig::parse(path, &config.to_string())
+                .expect_err(&format!("{fixture}: `{field}` = {value} should be refused"))
+                .to_string();
+            assert!(
+                error.contains("bundle/config.json") && error.contains(&format!("`{field}`")),
+                "{fixture}: `{field}` = {value}: {error}"
+            );
         }
     }
 }

@@ -22,6 +22,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::hf::HfDecoderConfig;
+use super::spec::MAX_LAYERS;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -186,6 +187,14 @@ impl DecoderSpec {
             ));
         }
         let layers = hf.num_hidden_layers;
+        // Checked before the per-layer lists below are allocated; every other size is checked
+        // by `ModelSpec::validate` once the spec is built.
+        if layers > MAX_LAYERS {
+            return Err(Error::format(
+                path,
+                format!("`num_hidden_layers` = {layers} (at most {MAX_LAYERS})"),
+            ));
+        }
         let (moe_layers, expert_intermediate_size, shared) = match family {
             DecoderFamily::Qwen2Moe => {
                 let step = hf.decoder_sparse_step.unwrap_or(1);
@@ -213,18 +222,13 @@ impl DecoderSpec {
                     .into(),
             ));
         }
-        if let Some(eps) = hf.rms_norm_eps {
-            super::spec::check_positive_finite(path, "rms_norm_eps", eps)?;
-        }
-        super::spec::check_positive_finite(path, "rope_theta", rope_theta)?;
-        if let (DecoderFamily::Olmoe, Some(clip)) = (family, hf.clip_qkv) {
-            super::spec::check_positive_finite(path, "clip_qkv", clip)?;
-        }
         let attention_windows = windows(hf, family, layers, path)?;
-        if family == DecoderFamily::Olmoe && hf.num_attention_heads * head_dim != hf.hidden_size {
+        if family == DecoderFamily::Olmoe
+            && hf.num_attention_heads.saturating_mul(head_dim) != hf.hidden_size
+        {
             return Err(unsupported(format!(
                 "OLMoE with num_attention_heads × head_dim = {} ≠ hidden_size {} (q_norm spans hidden_size)",
-                hf.num_attention_heads * head_dim,
+                hf.num_attention_heads.saturating_mul(head_dim),
                 hf.hidden_size
             )));
         }

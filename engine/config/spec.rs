@@ -229,6 +229,16 @@ impl ModelSpec {
                 if s.relative_attention_num_buckets < 4 {
                     return Err("`relative_attention_num_buckets` must be at least 4".into());
                 }
+                // T5's bucket formula divides by log(max_distance / max_exact), max_exact being
+                // half the decoder's buckets: at or below it, long distances get negative (or
+                // NaN) buckets, and transformers fails the same way ("index out of range").
+                let max_exact = s.relative_attention_num_buckets / 2;
+                if s.relative_attention_max_distance <= max_exact {
+                    return Err(format!(
+                        "`relative_attention_max_distance` = {} must exceed half of `relative_attention_num_buckets` ({}): T5's position buckets need it above {max_exact}",
+                        s.relative_attention_max_distance, s.relative_attention_num_buckets
+                    ));
+                }
             }
             ModelSpec::DecoderOnly(d) => {
                 widths.extend([
@@ -272,6 +282,9 @@ impl ModelSpec {
                         d.num_layers
                     ));
                 }
+                if d.attention_windows.contains(&Some(0)) {
+                    return Err("`attention_windows`: a window of 0 sees no key".into());
+                }
                 if d.attention_windows.len() != d.num_layers {
                     return Err(format!(
                         "{} attention windows for {} layers",
@@ -287,8 +300,8 @@ impl ModelSpec {
             }
         }
         for (name, value) in layers {
-            if value > ids {
-                return Err(format!("`{name}` = {value} (at most {ids})"));
+            if value > MAX_LAYERS {
+                return Err(format!("`{name}` = {value} (at most {MAX_LAYERS})"));
             }
         }
         let experts = self.num_experts();
@@ -308,10 +321,34 @@ impl ModelSpec {
     }
 }
 
+impl ModelSpec {
+    /// Fails naming the config file `path` and the field unless the model is one the engine
+    /// can run: [`ModelSpec::check_sizes`], and every epsilon, RoPE base and clamp a positive
+    /// finite number. `convert` checks a Hugging Face config with this, and opening a bundle
+    /// checks the bundle's `config.json` with it: both refuse the same values.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        self.check_sizes()
+            .map_err(|message| Error::format(path, format!("invalid model config: {message}")))?;
+        match self {
+            ModelSpec::Switch(s) => {
+                check_positive_finite(path, "layer_norm_epsilon", s.layer_norm_epsilon)?;
+            }
+            ModelSpec::DecoderOnly(d) => {
+                check_positive_finite(path, "rms_norm_eps", d.rms_norm_eps)?;
+                check_positive_finite(path, "rope_theta", d.rope_theta)?;
+                if let Some(clip) = d.clip_qkv {
+                    check_positive_finite(path, "clip_qkv", clip)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Fails naming `field` of the config at `path` unless `value` is a positive finite number (an
 /// epsilon, a RoPE base, a clamp): zero, negative or infinite values give NaNs or empty outputs
 /// far from their cause.
-pub(crate) fn check_positive_finite(path: &Path, field: &str, value: f64) -> Result<()> {
+fn check_positive_finite(path: &Path, field: &str, value: f64) -> Result<()> {
     if value.is_finite() && value > 0.0 {
         return Ok(());
     }
@@ -325,6 +362,9 @@ pub(crate) fn check_positive_finite(path: &Path, field: &str, value: f64) -> Res
 /// times the largest vocabulary of a released model, so `rows × cols` of any matrix stays far
 /// inside `u64`.
 pub const MAX_WIDTH: usize = 1 << 20;
+
+/// Most layers a stack may have: layers are numbered by `u16` ids (`0..=65535`).
+pub const MAX_LAYERS: usize = 1 << 16;
 
 /// Most experts a model may have in all (MoE blocks × experts per block): 2^20, thirty times
 /// the largest released MoE.

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::ids::Stack;
 
 use super::hf::HfSwitchConfig;
+use super::spec::MAX_LAYERS;
 
 /// The validated shape and semantics of a Switch Transformers model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -91,10 +92,23 @@ impl SwitchSpec {
                 return Err(Error::format(path, format!("`{name}` must be positive")));
             }
         }
+        // Bounded here under the checkpoint's field names; `ModelSpec::validate` checks them
+        // again with every other size.
+        let stacks = [
+            ("num_layers", hf.num_layers),
+            ("num_decoder_layers", hf.num_decoder_layers.unwrap_or(0)),
+        ];
+        for (name, value) in stacks {
+            if value > MAX_LAYERS {
+                return Err(Error::format(
+                    path,
+                    format!("`{name}` = {value} (at most {MAX_LAYERS})"),
+                ));
+            }
+        }
         if hf.num_decoder_layers == Some(0) {
             return Err(Error::format(path, "`num_decoder_layers` must be positive"));
         }
-        super::spec::check_positive_finite(path, "layer_norm_epsilon", hf.layer_norm_epsilon)?;
         if hf.encoder_sparse_step == 0 && hf.decoder_sparse_step == 0 {
             return Err(unsupported(
                 "`encoder_sparse_step` and `decoder_sparse_step` are both 0: no MoE block (a dense model)".into(),

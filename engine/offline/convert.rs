@@ -32,7 +32,7 @@ use crate::config::{
 };
 use crate::dictionary::PATHS_FILE;
 use crate::error::{Error, Result};
-use crate::ids::ExpertId;
+use crate::ids::{ExpertId, Stack};
 use crate::io::{read_bytes, read_json};
 use crate::manifest::{Manifest, MANIFEST_FILE};
 use crate::model::decoder_only;
@@ -257,6 +257,7 @@ pub fn read_hf_config(hf_dir: &Path) -> Result<BundleConfig> {
             })
         }
     };
+    model.validate(&config_path)?;
     generation.check_token_ids(
         model.vocab_size(),
         !model.has_encoder(),
@@ -508,6 +509,7 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
         spec.separate_decoder_embeddings = untied && files.contains("decoder.embed_tokens.weight");
     }
     let spec = config.model.clone();
+    check_config_against_weights(&spec, &files, &hf_dir.join("config.json"))?;
 
     let sources = Sources::new(&files, &spec);
     let resident = &sources.resident;
@@ -626,6 +628,151 @@ pub fn convert(options: &ConvertOptions) -> Result<ConvertReport> {
     };
     staged.commit()?;
     Ok(report)
+}
+
+/// Fails naming the field of `config_path` and the tensor unless the layer counts and widths
+/// of `spec` are those of the checkpoint's weights. Done before anything is sized from the
+/// config: a config that claims a million layers or a huge width must be refused, not
+/// allocated for (the sizes are bounded by [`ModelSpec::validate`], not proven).
+fn check_config_against_weights(
+    spec: &ModelSpec,
+    files: &WeightFiles,
+    config_path: &Path,
+) -> Result<()> {
+    // (field, its value, checkpoint prefix of the stack's layers)
+    let mut layer_counts: Vec<(&str, usize, &str)> = Vec::new();
+    // (tensor, expected shape, the config field that sets each dimension)
+    let mut probes: Vec<(String, Vec<usize>, [&str; 2])> = Vec::new();
+    match spec {
+        ModelSpec::Switch(s) => {
+            let d = s.d_model;
+            layer_counts.extend([
+                ("num_layers", s.num_encoder_layers, "encoder.block."),
+                ("num_decoder_layers", s.num_decoder_layers, "decoder.block."),
+            ]);
+            let attention = "encoder.block.0.layer.0.SelfAttention";
+            probes.extend([
+                (
+                    "shared.weight".to_string(),
+                    vec![s.vocab_size, d],
+                    ["vocab_size", "d_model"],
+                ),
+                (
+                    format!("{attention}.relative_attention_bias.weight"),
+                    vec![s.relative_attention_num_buckets, s.num_heads],
+                    ["relative_attention_num_buckets", "num_heads"],
+                ),
+                (
+                    format!("{attention}.q.weight"),
+                    vec![s.inner_dim(), d],
+                    ["d_kv", "d_model"],
+                ),
+            ]);
+        }
+        ModelSpec::DecoderOnly(dec) => {
+            let h = dec.hidden_size;
+            layer_counts.push(("num_hidden_layers", dec.num_layers, "model.layers."));
+            let attention = "model.layers.0.self_attn";
+            probes.extend([
+                (
+                    "model.embed_tokens.weight".to_string(),
+                    vec![dec.vocab_size, h],
+                    ["vocab_size", "hidden_size"],
+                ),
+                (
+                    format!("{attention}.q_proj.weight"),
+                    vec![dec.q_dim(), h],
+                    ["num_attention_heads × head_dim", "hidden_size"],
+                ),
+                (
+                    format!("{attention}.k_proj.weight"),
+                    vec![dec.kv_dim(), h],
+                    ["num_key_value_heads", "hidden_size"],
+                ),
+            ]);
+        }
+    }
+    for (field, count, prefix) in layer_counts {
+        let held = files
+            .names()
+            .filter_map(|name| name.strip_prefix(prefix)?.split('.').next()?.parse().ok())
+            .map(|layer: usize| layer + 1)
+            .max()
+            .unwrap_or(0);
+        if held != count {
+            let first_extra = format!("{prefix}{}", count.min(held));
+            let mut names: Vec<&str> = files
+                .names()
+                .filter(|n| n.starts_with(&format!("{first_extra}.")))
+                .collect();
+            names.sort();
+            return Err(Error::tensor(
+                files.describe(),
+                names.first().copied().unwrap_or(&first_extra),
+                format!(
+                    "{} holds `{field}` = {count}, the weights have {held} layers ({prefix}0 to {prefix}{})",
+                    config_path.display(),
+                    held.saturating_sub(1)
+                ),
+            ));
+        }
+    }
+    // The first MoE block's router and first expert: experts per block and expert width.
+    let first_moe = [Stack::Encoder, Stack::Decoder]
+        .into_iter()
+        .find_map(|stack| Some((stack, *spec.moe_blocks(stack).first()?)));
+    if let Some((stack, layer)) = first_moe {
+        let id = ExpertId {
+            stack,
+            layer: layer as u16,
+            expert: 0,
+        };
+        let (d, ff, experts) = (spec.d_model(), spec.expert_d_ff(), spec.num_experts());
+        match spec {
+            ModelSpec::Switch(_) => {
+                let expert = switch::expert_tensor_name(id, "wi");
+                let router = expert.replace(".experts.expert_0.wi.", ".router.classifier.");
+                probes.push((router, vec![experts, d], ["num_experts", "d_model"]));
+                probes.push((expert, vec![ff, d], ["d_ff", "d_model"]));
+            }
+            ModelSpec::DecoderOnly(dec) => {
+                let (experts_field, width_field) = match dec.family {
+                    DecoderFamily::Mixtral => ("num_local_experts", "intermediate_size"),
+                    _ => ("num_experts", "moe_intermediate_size"),
+                };
+                let router = format!("model.layers.{layer}.mlp.gate.weight");
+                let router = std::iter::once(router.clone())
+                    .chain(decoder_only::checkpoint_aliases(dec, &router))
+                    .find(|n| files.contains(n))
+                    .unwrap_or(router);
+                probes.push((router, vec![experts, d], [experts_field, "hidden_size"]));
+                let expert = decoder_only::expert_tensor_name(dec.family, id, "gate");
+                probes.push((expert, vec![ff, d], [width_field, "hidden_size"]));
+            }
+        }
+    }
+    for (name, expected, fields) in probes {
+        // A missing tensor is reported where it is read, with everything else missing.
+        let Some(shape) = files.shape(&name) else {
+            continue;
+        };
+        if shape == expected.as_slice() {
+            continue;
+        }
+        let axis = (0..2)
+            .find(|&a| shape.get(a) != expected.get(a))
+            .unwrap_or(0);
+        return Err(Error::tensor(
+            files.describe(),
+            &name,
+            format!(
+                "shape {shape:?}, expected {expected:?}: `{}` in {} disagrees with the weights",
+                fields[axis],
+                config_path.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Records every file of the bundle being written in `dir` in its manifest (written last), then
