@@ -102,7 +102,14 @@ impl BitPlan {
                 layer: e.block,
                 expert: e.expert,
             };
-            experts.insert(id, parse_width(&e.width, path)?);
+            let width = parse_width(&e.width, path)?;
+            // Which of two entries was meant cannot be known: refused rather than last wins.
+            if experts.insert(id, width).is_some() {
+                return Err(Error::format(
+                    path,
+                    format!("{id} is listed more than once in `experts`"),
+                ));
+            }
         }
         Ok(BitPlan { default, experts })
     }
@@ -161,5 +168,29 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("int3"));
+    }
+
+    #[test]
+    fn an_expert_listed_twice_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.json");
+        std::fs::write(
+            &path,
+            r#"{"format": "edgemoe-bit-plan", "version": 1, "experts": [
+                {"stack": "decoder", "block": 1, "expert": 3, "width": "int2"},
+                {"stack": "encoder", "block": 1, "expert": 3, "width": "int4"},
+                {"stack": "decoder", "block": 1, "expert": 3, "width": "int8"}]}"#,
+        )
+        .unwrap();
+        let id = ExpertId {
+            stack: Stack::Decoder,
+            layer: 1,
+            expert: 3,
+        };
+        let error = BitPlan::load(&path).unwrap_err().to_string();
+        assert!(
+            error.contains("plan.json") && error.contains(&id.to_string()),
+            "{error}"
+        );
     }
 }
