@@ -563,3 +563,58 @@ fn a_tokenizer_from_another_model_is_refused() {
         .to_string();
     assert_mentions(&error, &["tokenizer.json", "512 tokens", "another model"]);
 }
+
+/// The bundle config `convert` writes for fixture `name`, as JSON.
+fn converted_config(name: &str) -> serde_json::Value {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    let config = edgemoe::offline::convert::read_hf_config(&fixture).unwrap();
+    serde_json::to_value(&config).unwrap()
+}
+
+#[test]
+fn a_bundle_config_is_refused_where_convert_refuses_the_same_values() {
+    let path = Path::new("bundle/config.json");
+    let refusals = [
+        (
+            "tiny-tied-e4",
+            "layer_norm_epsilon",
+            serde_json::json!(-1.0),
+        ),
+        ("tiny-tied-e4", "layer_norm_epsilon", serde_json::json!(0.0)),
+        (
+            "tiny-tied-e4",
+            "relative_attention_max_distance",
+            serde_json::json!(8),
+        ),
+        (
+            "tiny-tied-e4",
+            "relative_attention_max_distance",
+            serde_json::json!(1),
+        ),
+        ("tiny-mixtral", "rms_norm_eps", serde_json::json!(-1.0)),
+        ("tiny-mixtral", "rope_theta", serde_json::json!(0.0)),
+        ("tiny-mixtral", "rope_theta", serde_json::json!(-5.0)),
+        (
+            "tiny-mixtral",
+            "attention_windows",
+            serde_json::json!([0, 0]),
+        ),
+        ("tiny-olmoe", "clip_qkv", serde_json::json!(-1.0)),
+        ("tiny-olmoe", "clip_qkv", serde_json::json!(0.0)),
+    ];
+    for (fixture, field, value) in refusals {
+        let mut config = converted_config(fixture);
+        edgemoe::config::BundleConfig::parse(path, &config.to_string())
+            .expect("the converted config loads");
+        config["model"][field] = value.clone();
+        let error = edgemoe::config::BundleConfig::parse(path, &config.to_string())
+            .expect_err(&format!("{fixture}: `{field}` = {value} should be refused"))
+            .to_string();
+        assert!(
+            error.contains("bundle/config.json") && error.contains(&format!("`{field}`")),
+            "{fixture}: `{field}` = {value}: {error}"
+        );
+    }
+}
