@@ -256,14 +256,14 @@ fn tune_bits_keeps_its_inputs_and_needs_tokens() {
     let line = "{\"dialogue\": \"A: hi\", \"summary\": \"hi\"}\n";
     std::fs::write(&data, line).unwrap();
     let plan = dir.path().join("q.json");
-    let args = |max_new_tokens| {
+    let args = |data: &Path, max_new_tokens| {
         run(
             &[
                 "tune-bits",
                 "--model",
                 s(&bundle),
                 "--data",
-                s(&data),
+                s(data),
                 "--max-loss",
                 "5%",
                 "--limit",
@@ -277,7 +277,7 @@ fn tune_bits_keeps_its_inputs_and_needs_tokens() {
         )
     };
     assert_fails(
-        &args("2"),
+        &args(&data, "2"),
         &[
             "--out (its report)",
             "is the same path as --data",
@@ -288,22 +288,7 @@ fn tune_bits_keeps_its_inputs_and_needs_tokens() {
     assert!(!plan.exists());
     let data = dir.path().join("val.jsonl");
     std::fs::write(&data, line).unwrap();
-    let out = run(
-        &[
-            "tune-bits",
-            "--model",
-            s(&bundle),
-            "--data",
-            s(&data),
-            "--max-loss",
-            "5%",
-            "--max-new-tokens",
-            "0",
-            "--out",
-            s(&plan),
-        ],
-        None,
-    );
+    let out = args(&data, "0");
     assert_usage(&out, &["--max-new-tokens", "at least 1"]);
     assert!(!plan.exists());
 }
