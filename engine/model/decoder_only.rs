@@ -32,7 +32,7 @@ use crate::weights::{Stored, WeightFiles};
 
 use super::kv::{KvCacheRows, KvFormat};
 use super::RunShape;
-use crate::quant::matrix::gemm_scratch_values;
+use crate::quant::matrix::{gemm_packed_acts_bytes, gemm_scratch_values};
 use crate::quant::parallel::compute_threads;
 
 fn layer_prefix(layer: usize) -> String {
@@ -652,7 +652,12 @@ impl DecoderOnlyModel {
             spec.hidden_size.max(widest_ff),
             compute_threads(),
         ));
-        (f * (prefill + logits + expert_scratch) + caches).0
+        // The prompt's activations packed for MKL's GEMM (x86_64 builds).
+        let packed = S(gemm_packed_acts_bytes(
+            run.max_source_tokens,
+            spec.hidden_size.max(widest_ff),
+        ));
+        (f * (prefill + logits + expert_scratch) + packed + caches).0
     }
 }
 

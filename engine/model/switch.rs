@@ -18,7 +18,7 @@ use crate::weights::{Stored, WeightFiles};
 
 use super::kv::{KvFormat, SourceKv};
 use super::RunShape;
-use crate::quant::matrix::gemm_scratch_values;
+use crate::quant::matrix::{gemm_packed_acts_bytes, gemm_scratch_values};
 use crate::quant::parallel::compute_threads;
 
 /// HF name of a block's FF sub-layer prefix, e.g. `decoder.block.3.layer.2`.
@@ -646,7 +646,12 @@ impl SwitchModel {
             spec.d_model.max(spec.d_ff),
             compute_threads(),
         ));
-        (f * (encoder + logits + expert_scratch) + S(self.decoder_cache_bytes(run))).0
+        // The encoder's activations packed for MKL's GEMM (x86_64 builds).
+        let packed = S(gemm_packed_acts_bytes(
+            run.max_source_tokens,
+            spec.d_model.max(spec.d_ff),
+        ));
+        (f * (encoder + logits + expert_scratch) + packed + S(self.decoder_cache_bytes(run))).0
     }
 
     /// The bytes [`working_bytes`](Self::working_bytes) sets aside for the decoder's attention

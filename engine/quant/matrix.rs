@@ -18,7 +18,8 @@
 //!   CPU has one (AVX-512): one FMA chain per output, the weights widened a task of rows at a
 //!   time. More rows, or other CPUs: tiles of [`TILE_ROWS`] weight rows dequantized into a
 //!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place), which is
-//!   faster there (BENCHMARKS.md §9.18).
+//!   faster there (BENCHMARKS.md §9.18): MKL's packed GEMM on activations packed once where
+//!   libtorch links MKL ([`super::packed_gemm`], §9.25), libtorch's `mm` elsewhere.
 //!
 //! Both paths split their work over the compute threads of [`super::parallel`] (GEMV: tasks of
 //! weight rows; GEMM: tiles), with libtorch itself on one thread. Tiles are the same at every
@@ -36,6 +37,7 @@ use tch::{Device, Kind, Tensor};
 use super::kernels::float_gemm::{FloatActs, FloatGemm, GROUP, HALF, PANEL};
 use super::kernels::gemm::{GemmActs, GemmRows, IntGemm, LANES};
 use super::kernels::{self, Kernels, QuantRow, BLOCK};
+use super::packed_gemm::{PackBuffer, PackedActs};
 use super::parallel;
 use super::{dequantize_into, QuantBits};
 use crate::error::{Error, Result};
@@ -811,15 +813,38 @@ fn row_dots(
     }
 }
 
-/// The GEMM path: libtorch's GEMM (single-threaded, see [`super::parallel`]) on tiles of
+/// The GEMM path: one single-threaded GEMM (see [`super::parallel`]) per tile of
 /// [`TILE_ROWS`] weight rows, spread over the compute threads: f32 tiles are used in place,
 /// others are dequantized into a per-thread scratch first. Each task writes its own columns of
-/// `out`.
+/// `out`. Where libtorch links MKL (x86_64), `x` is packed once into MKL's layout on the
+/// calling thread and every tile takes MKL's packed GEMM ([`super::packed_gemm`]); elsewhere,
+/// libtorch's `mm`.
 fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     // The same tiles at every thread count: libtorch's GEMM rounds differently for different
     // shapes, and a run's output must not depend on `--threads`.
     let tile_rows = TILE_ROWS.min(rows);
+    let tasks = rows.div_ceil(tile_rows);
+    PACK_SCRATCH.with_borrow_mut(|pack_scratch| {
+        // Activations packed once for all tiles where MKL is linked (one tile gains nothing).
+        let packed = (tasks > 1)
+            .then(|| PackedActs::pack(pack_scratch, x, n, cols, tile_rows, rows))
+            .flatten();
+        gemm_tiles(x, n, w, tile_rows, packed.as_ref(), out)
+    })
+}
+
+/// [`gemm`]'s tiles of `tile_rows` weight rows, with the activations packed for MKL where it
+/// is linked.
+fn gemm_tiles(
+    x: &[f32],
+    n: usize,
+    w: MatrixRef<'_>,
+    tile_rows: usize,
+    packed: Option<&PackedActs<'_>>,
+    out: &mut [f32],
+) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
     let tasks = rows.div_ceil(tile_rows);
     // Addresses, not references: the tasks build their own tensor views from them.
     let (x_at, out_at) = (x.as_ptr() as usize, out.as_mut_ptr() as usize);
@@ -831,9 +856,14 @@ fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
         let view = |at: usize, shape: &[i64]| unsafe {
             Tensor::f_from_blob(at as *const u8, shape, &[], Kind::Float, Device::Cpu)
         };
-        let xt = view(x_at, &[n as i64, cols as i64])?;
-        let ot = view(out_at, &[n as i64, rows as i64])?;
         let product = |weights: &[f32]| -> Result<()> {
+            if let Some(packed) = packed {
+                // SAFETY: as above: rows `0..n` of columns `start..end` of `out`, this task's.
+                unsafe { packed.multiply(weights, (out_at as *mut f32).add(start), rows) };
+                return Ok(());
+            }
+            let xt = view(x_at, &[n as i64, cols as i64])?;
+            let ot = view(out_at, &[n as i64, rows as i64])?;
             let wt = view(
                 weights.as_ptr() as usize,
                 &[(end - start) as i64, cols as i64],
@@ -857,6 +887,8 @@ fn gemm(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<()> {
 thread_local! {
     /// A compute thread's dequantized GEMM tile (at most [`TILE_ROWS`] × the widest matrix).
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The calling thread's activations packed for MKL (see [`super::packed_gemm`]).
+    static PACK_SCRATCH: std::cell::RefCell<PackBuffer> = const { std::cell::RefCell::new(PackBuffer::new()) };
     static INT_SCRATCH: std::cell::RefCell<IntScratch> = std::cell::RefCell::default();
     static FLOAT_SCRATCH: std::cell::RefCell<FloatScratch> = std::cell::RefCell::default();
     /// The calling thread's transposed activations of a float GEMM (the helpers read them).
@@ -886,6 +918,15 @@ pub fn gemm_scratch_values(widest: usize, threads: usize) -> usize {
         .saturating_mul(threads)
         .saturating_add(FLOAT_GEMM_MAX_ROWS.next_multiple_of(GROUP))
         .saturating_mul(widest)
+}
+
+/// Bytes the GEMM path keeps for activations packed for MKL, for products of up to `n`
+/// activation rows of up to `widest` values (0 where MKL's packed GEMM is not linked).
+pub fn gemm_packed_acts_bytes(n: usize, widest: usize) -> u64 {
+    if n <= FLOAT_GEMM_MAX_ROWS && kernels::float_gemm().is_some() || n < GEMM_MIN_ROWS {
+        return 0;
+    }
+    super::packed_gemm::packed_acts_bytes(n, widest, TILE_ROWS)
 }
 
 /// The float GEMM this CPU uses (`"avx512"`), or `None` (tiles and libtorch's f32 GEMM).
@@ -1441,8 +1482,9 @@ mod tests {
     ///   one FMA chain per output over its whole row, whatever the tasks, panels and column
     ///   blocks (uneven last task, panel and block; a group of a few rows, of more than half a
     ///   group, and one full group with a partial one);
-    /// - libtorch's GEMM in tiles of [`TILE_ROWS`] weight rows: one libtorch GEMM per tile on
-    ///   one thread, each tile in its own columns (uneven last tile);
+    /// - libtorch's GEMM in tiles of [`TILE_ROWS`] weight rows: one GEMM per tile on one
+    ///   thread, each tile in its own columns (uneven last tile): MKL's packed GEMM on
+    ///   activations packed once where libtorch links MKL, libtorch's `mm` elsewhere;
     /// - integer formats on a CPU with an integer GEMM: the scalar integer GEMM over the whole
     ///   matrix.
     #[test]
@@ -1482,16 +1524,78 @@ mod tests {
             };
             for &n in tiled {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
-                let xt = Tensor::from_slice(&x).view([n as i64, cols as i64]);
-                let tiles: Vec<Tensor> = (0..rows)
-                    .step_by(TILE_ROWS)
-                    .map(|start| {
-                        let len = TILE_ROWS.min(rows - start) as i64;
-                        xt.mm(&whole.narrow(0, start as i64, len).tr())
-                    })
-                    .collect();
-                let want = Vec::<f32>::try_from(Tensor::cat(&tiles, 1).flatten(0, -1)).unwrap();
-                assert_matmul_gives(&x, n, &w, &want, "libtorch tiles");
+                let want = tile_products(&x, n, &whole);
+                assert_matmul_gives(&x, n, &w, &want, "GEMM tiles");
+            }
+        }
+    }
+
+    /// `x · wholeᵀ` tile by tile on this thread, as [`gemm`] computes it: one product per
+    /// [`TILE_ROWS`] weight rows, on activations packed once where MKL's packed GEMM exists.
+    fn tile_products(x: &[f32], n: usize, whole: &Tensor) -> Vec<f32> {
+        let (rows, cols) = (whole.size()[0] as usize, whole.size()[1] as usize);
+        let mut buffer = PackBuffer::new();
+        if let Some(packed) = PackedActs::pack(&mut buffer, x, n, cols, TILE_ROWS, rows) {
+            let weights = Vec::<f32>::try_from(whole.flatten(0, -1)).unwrap();
+            let mut out = vec![0f32; n * rows];
+            for start in (0..rows).step_by(TILE_ROWS) {
+                let end = (start + TILE_ROWS).min(rows);
+                // SAFETY: `out` is `[n, rows]`; columns `start..end` of every row.
+                unsafe {
+                    packed.multiply(
+                        &weights[start * cols..end * cols],
+                        out[start..].as_mut_ptr(),
+                        rows,
+                    )
+                };
+            }
+            return out;
+        }
+        let xt = Tensor::from_slice(x).view([n as i64, cols as i64]);
+        let tiles: Vec<Tensor> = (0..rows)
+            .step_by(TILE_ROWS)
+            .map(|start| {
+                let len = TILE_ROWS.min(rows - start) as i64;
+                xt.mm(&whole.narrow(0, start as i64, len).tr())
+            })
+            .collect();
+        Vec::<f32>::try_from(Tensor::cat(&tiles, 1).flatten(0, -1)).unwrap()
+    }
+
+    /// The tiles' products are `x · wᵀ`: within f32 rounding of libtorch's whole-matrix
+    /// product, on every tile (the uneven last one too), at the encoder's widths and at one
+    /// that is not a multiple of any vector. (Where MKL's packed GEMM exists, this is what
+    /// checks its operands' layouts, transposes and output stride.)
+    #[test]
+    fn gemm_tiles_equal_the_whole_product() {
+        tch::set_num_threads(1);
+        set_compute_threads(2);
+        let mut rng = Rng(11);
+        for (n, rows, cols) in [
+            (150, 3 * TILE_ROWS + 17, 200),
+            (200, 2 * TILE_ROWS, 3072),
+            (129, 768, 77),
+        ] {
+            let weights: Vec<f32> = (0..rows * cols).map(|_| rng.uniform()).collect();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform()).collect();
+            let w = PackedMatrix::encode(&weights, rows, cols, MatrixFormat::F32).unwrap();
+            let mut got = vec![f32::NAN; n * rows];
+            gemm(&x, n, w.view(), &mut got).unwrap();
+            let want =
+                Tensor::from_slice(&x)
+                    .view([n as i64, cols as i64])
+                    .mm(&Tensor::from_slice(&weights)
+                        .view([rows as i64, cols as i64])
+                        .tr());
+            let want = Vec::<f32>::try_from(want.flatten(0, -1)).unwrap();
+            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                let tolerance = 1e-5 * (cols as f32).sqrt() * (1.0 + e.abs());
+                assert!(
+                    (g - e).abs() <= tolerance,
+                    "[{n}, {rows}, {cols}] output {} of row {}: {g} against {e}",
+                    i % rows,
+                    i / rows
+                );
             }
         }
     }

@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 
 pub(crate) mod kernels;
 pub mod matrix;
+mod packed_gemm;
 pub mod parallel;
 
 #[cfg(target_arch = "x86_64")]
