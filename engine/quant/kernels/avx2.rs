@@ -166,21 +166,52 @@ fn hsum(v: __m256) -> f32 {
 /// 1.2× faster with it (BENCHMARKS.md §9.14).
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
 
-/// Whether rows of one byte or more per value, dotted with one activation row, are prefetched
+/// Whether rows of two bytes or more per value (f16, bf16, f32; and the attention caches' rows,
+/// see [`super::prefetch_bytes`]), dotted with one activation row, are prefetched
 /// [`PREFETCH_AHEAD`] bytes ahead: on Intel cores, not on others. Measured both ways:
 /// - on a Zen 4 core the hardware prefetchers kept up with one such row stream, and the
 ///   prefetches cost time: dropping them made the engine's INT8 decode 15–18% faster on one
 ///   thread and f16 ~10% (`benches/llama_cpp_ab.sh`, BENCHMARKS.md §9.13), and f32 rows had
-///   been 1.4× slower with them (§9.12);
+///   been 1.4× slower with them (§9.12); on a Zen 3 core f16 decode was even with them and f32
+///   decode 12–28% slower (§9.26);
 /// - on a Sapphire Rapids core the same rows came from memory at ~67% of the STREAM read rate
 ///   without them and 80–95% with them (a row of 2048 f16 values is one 4 KiB page, and Intel's
 ///   streamer does not cross pages; BENCHMARKS.md §9.16).
+///
+/// `EDGEMOE_PREFETCH_ROWS=on|off` overrides this and [`prefetch_int8_rows`], for A/B runs.
 pub(crate) fn prefetch_wide_rows() -> bool {
     static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INTEL.get_or_init(|| {
-        let id = __cpuid(0);
-        [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat() == b"GenuineIntel"
+    *INTEL.get_or_init(|| prefetch_override().unwrap_or_else(|| cpu_vendor() == b"GenuineIntel"))
+}
+
+/// Whether INT8 rows dotted with one activation row are prefetched: where
+/// [`prefetch_wide_rows`] says so, and on AMD cores without AVX-512 (Zen 3 and earlier), whose
+/// prefetchers lag behind a stream of INT8 rows (a Zen 3 core decoded the switch-base-8 shape
+/// 15–20% faster with them, BENCHMARKS.md §9.26) though not behind f16 or f32 rows. Zen 4 (which
+/// has AVX-512) was faster without them (§9.13).
+pub(crate) fn prefetch_int8_rows() -> bool {
+    static INT8: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INT8.get_or_init(|| {
+        prefetch_override().unwrap_or_else(|| {
+            prefetch_wide_rows()
+                || (cpu_vendor() == b"AuthenticAMD" && !is_x86_feature_detected!("avx512f"))
+        })
     })
+}
+
+/// `EDGEMOE_PREFETCH_ROWS`: `on` or `off`, else `None`.
+fn prefetch_override() -> Option<bool> {
+    match std::env::var("EDGEMOE_PREFETCH_ROWS").as_deref() {
+        Ok("on") => Some(true),
+        Ok("off") => Some(false),
+        _ => None,
+    }
+}
+
+/// The CPU's vendor string (`GenuineIntel`, `AuthenticAMD`, ...).
+fn cpu_vendor() -> Vec<u8> {
+    let id = __cpuid(0);
+    [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat()
 }
 
 /// Whole blocks: INT8 codes as they are (the sign trick of [`block_products`]); INT4 and INT2
@@ -466,10 +497,10 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
             _mm256_setzero_ps(),
         );
         let quads = full / 4 * 4;
-        let prefetch = BITS < 8 || prefetch_wide_rows();
+        let prefetch = BITS < 8 || prefetch_int8_rows();
         for b in (0..quads).step_by(4) {
             // The next rows of a large matrix are far from the caches: ask for them early
-            // (INT8 rows only where that pays, see `prefetch_wide_rows`), every cache line of
+            // (INT8 rows only where that pays, see `prefetch_int8_rows`), every cache line of
             // the step ahead: four INT8 blocks are two lines, INT4 and INT2 ones part of one.
             // (One prefetch per step left every other INT8 line to come on demand, and INT8
             // rows read 15–20% slower than f16 rows from memory on a Cascade Lake core:
