@@ -36,12 +36,12 @@ pub struct KernelStats {
     /// `neon-dotprod`, `neon` or `scalar`.
     pub gemv: String,
     /// The integer GEMM of many-row products (an encoder pass, a prompt) on integer weights:
-    /// `avx512-vnni`, `neon-dotprod` or `neon-i8mm`; `null` where there is none and such
+    /// `avx512-vnni`, `avx2`, `neon-dotprod` or `neon-i8mm`; `null` where there is none and such
     /// products take dequantized tiles and libtorch's f32 GEMM (the key itself is required).
     #[serde(deserialize_with = "Option::deserialize")]
     pub int_gemm: Option<String>,
     /// The float GEMM of many-row products on float weights (and on integer weights without an
-    /// integer GEMM), up to `FLOAT_GEMM_MAX_ROWS` activation rows: `avx512`; `null` where there
+    /// integer GEMM), up to `FLOAT_GEMM_MAX_ROWS` activation rows: `avx512` or `avx2`; `null` where there
     /// is none and such products take libtorch's f32 GEMM on tiles (the key itself is required).
     #[serde(deserialize_with = "Option::deserialize")]
     pub float_gemm: Option<String>,

@@ -11,11 +11,11 @@
 //!   integer dot products per block:
 //!   `y[r] = w_scale[r] × Σ_b x_scale[b] × Σ_{i∈b} w[r, i] · x_q[i]`.
 //! - **GEMM** (prefill, the encoder): integer formats take the integer GEMM of
-//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI; `sdot` or `smmla` on aarch64):
+//!   [`kernels::gemm`] where the CPU has one (AVX-512 VNNI or AVX2; `sdot` or `smmla` on aarch64):
 //!   activations rounded to INT8 blocks as for the GEMV, the same integer block sums, no weight
 //!   expanded. Otherwise (float formats, other CPUs), up to [`FLOAT_GEMM_MAX_ROWS`] activation
 //!   rows (an expert's share of a pass) take the float GEMM of [`kernels::float_gemm`] where the
-//!   CPU has one (AVX-512): one FMA chain per output, the weights widened a task of rows at a
+//!   CPU has one (AVX-512 or AVX2): one FMA chain per output, the weights widened a task of rows at a
 //!   time. More rows, or other CPUs: tiles of [`TILE_ROWS`] weight rows dequantized into a
 //!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place), which is
 //!   faster there (BENCHMARKS.md §9.18): MKL's packed GEMM on activations packed once where
@@ -903,7 +903,7 @@ pub fn matmul_kernel() -> &'static str {
     kernels::best().name
 }
 
-/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"neon-dotprod"`, `"neon-i8mm"`), or `None`
+/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"avx2"`, `"neon-dotprod"`, `"neon-i8mm"`), or `None`
 /// (dequantized tiles and libtorch's f32 GEMM).
 pub fn int_gemm_kernel() -> Option<&'static str> {
     kernels::int_gemm().map(|k| k.name)
@@ -929,7 +929,7 @@ pub fn gemm_packed_acts_bytes(n: usize, widest: usize) -> u64 {
     super::packed_gemm::packed_acts_bytes(n, widest, TILE_ROWS)
 }
 
-/// The float GEMM this CPU uses (`"avx512"`), or `None` (tiles and libtorch's f32 GEMM).
+/// The float GEMM this CPU uses (`"avx512"`, `"avx2"`), or `None` (tiles and libtorch's f32 GEMM).
 pub fn float_gemm_kernel() -> Option<&'static str> {
     kernels::float_gemm().map(|k| k.name)
 }

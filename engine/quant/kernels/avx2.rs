@@ -84,6 +84,8 @@ fn store16(codes: __m128i, s: __m256, o: &mut [f32; 16]) {
 
 // ---- dot products (AVX2 + FMA + F16C) ----
 
+use super::float_gemm::{self, FloatActs, FloatGemm, GROUP, HALF};
+use super::gemm::{self, ActLayout, GemmActs, GemmRows, IntGemm, LANES};
 use super::{scalar as reference, Kernels, QuantRow, BLOCK};
 
 /// Whether this CPU runs [`KERNELS`].
@@ -180,8 +182,8 @@ pub(crate) const PREFETCH_AHEAD: usize = 2048;
 ///
 /// `EDGEMOE_PREFETCH_ROWS=on|off` overrides this and [`prefetch_int8_rows`], for A/B runs.
 pub(crate) fn prefetch_wide_rows() -> bool {
-    static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INTEL.get_or_init(|| prefetch_override().unwrap_or_else(|| cpu_vendor() == b"GenuineIntel"))
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| prefetch_override().unwrap_or_else(|| cpu_vendor() == b"GenuineIntel"))
 }
 
 /// Whether INT8 rows dotted with one activation row are prefetched: where
@@ -750,4 +752,341 @@ fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
     let head = steps * 32;
     let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
     hsum(total) + reference::dot_f32(&row[head * 4..], &x[head..])
+}
+
+/// The float GEMM of [`super::float_gemm`] on 256-bit FMAs, for CPUs without AVX-512 (Zen 2
+/// and 3, Intel cores before Ice Lake). Its sixteen registers hold six weight rows × sixteen
+/// activation rows of sums (two vectors each) with the column's two activation vectors and a
+/// broadcast, so a panel of [`PANEL`](super::float_gemm::PANEL) rows × [`GROUP`] lanes is
+/// taken as two halves of sixteen lanes, and one of up to twelve rows on a half group as two
+/// runs of six rows: each sum is still one chain of FMAs in column order, the reference's bits.
+pub(crate) static FLOAT_GEMM: FloatGemm = FloatGemm {
+    name: "avx2",
+    prepare_acts: float_gemm_acts,
+    panel: |w, rows, stride, cols, acts, lanes, out, prefetch| {
+        float_gemm::check_operands(w, rows, stride, cols, acts, lanes, out);
+        if cols == 0 {
+            return; // No column: every sum stays what it is (and `acts` may be empty).
+        }
+        let halves = if lanes <= HALF { 1 } else { 2 };
+        for half in 0..halves {
+            for first in (0..rows).step_by(6) {
+                let take = 6.min(rows - first);
+                let (w, out) = (
+                    &w[first * stride..],
+                    &mut out[first * GROUP + half * HALF..],
+                );
+                let acts = &acts[half * HALF..];
+                // SAFETY (every arm): this kernel is only chosen when `supported()` said yes;
+                // rows `first..first + take` of `w` and `out` and lanes `half × 16..+16` of
+                // `acts` and `out` lie inside the operands (checked above).
+                unsafe {
+                    match take {
+                        1 => float_half_panel::<1>(w, stride, cols, acts, out, prefetch),
+                        2 => float_half_panel::<2>(w, stride, cols, acts, out, prefetch),
+                        3 => float_half_panel::<3>(w, stride, cols, acts, out, prefetch),
+                        4 => float_half_panel::<4>(w, stride, cols, acts, out, prefetch),
+                        5 => float_half_panel::<5>(w, stride, cols, acts, out, prefetch),
+                        _ => float_half_panel::<6>(w, stride, cols, acts, out, prefetch),
+                    }
+                }
+            }
+        }
+    },
+    write_sums: float_gemm_sums,
+};
+
+/// [`float_gemm::PrepareFloatActs`]: a plain transposition (AVX2's gathers are slower than
+/// scalar loads on the cores that lack AVX-512; this is `n × cols` values against the
+/// product's `n × rows × cols` FMAs).
+fn float_gemm_acts(x: &[f32], n: usize, cols: usize, acts: &mut FloatActs) {
+    acts.reset(n, cols);
+    for (t, row) in x.chunks_exact(cols.max(1)).take(n).enumerate() {
+        let group = &mut acts.values[t / GROUP * cols * GROUP..][..cols * GROUP];
+        for (c, &v) in row.iter().enumerate() {
+            group[c * GROUP + t % GROUP] = v;
+        }
+    }
+}
+
+/// [`float_gemm::WriteSums`]: the sums transposed back into the product's rows.
+fn float_gemm_sums(sums: &[f32], rows: usize, lanes: usize, out: &mut [f32], stride: usize) {
+    float_gemm::check_sums(sums, rows, lanes, out, stride);
+    for t in 0..lanes {
+        for (r, out) in out[t * stride..][..rows].iter_mut().enumerate() {
+            *out = sums[r * GROUP + t];
+        }
+    }
+}
+
+/// `R` (≤ 6) weight rows × the sixteen activation rows from `acts[0]` of a group: per column,
+/// two vectors of the group and one broadcast per row, `2R` FMAs into sums held in registers
+/// from `out` (`out[j × GROUP..+16]` for row `j`) back to `out`. With `prefetch_next`, the `R`
+/// rows after these are asked for at the same columns meanwhile, as the AVX-512 panel does.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `w` holds rows `0..R` at stride `stride` for `cols` columns,
+/// `acts` holds `(cols − 1) × GROUP + 16` values and `out` `(R − 1) × GROUP + 16`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn float_half_panel<const R: usize>(
+    w: &[f32],
+    stride: usize,
+    cols: usize,
+    acts: &[f32],
+    out: &mut [f32],
+    prefetch_next: bool,
+) {
+    const { assert!(GROUP == 32 && HALF == 16 && R <= 6) };
+    let (w, acts, out) = (w.as_ptr(), acts.as_ptr(), out.as_mut_ptr());
+    // SAFETY (every access): inside the operands, as the caller promises.
+    unsafe {
+        let mut sums = [[_mm256_setzero_ps(); 2]; R];
+        for (j, sums) in sums.iter_mut().enumerate() {
+            for (v, sum) in sums.iter_mut().enumerate() {
+                *sum = _mm256_loadu_ps(out.add(j * GROUP + v * 8));
+            }
+        }
+        for c in 0..cols {
+            if prefetch_next && c % 16 == 0 {
+                // A hint: past the matrix it fetches nothing of use, and it never faults.
+                for j in R..2 * R {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(j * stride + c).cast());
+                }
+            }
+            let a0 = _mm256_loadu_ps(acts.add(c * GROUP));
+            let a1 = _mm256_loadu_ps(acts.add(c * GROUP + 8));
+            for (j, sums) in sums.iter_mut().enumerate() {
+                let b = _mm256_set1_ps(*w.add(j * stride + c));
+                sums[0] = _mm256_fmadd_ps(a0, b, sums[0]);
+                sums[1] = _mm256_fmadd_ps(a1, b, sums[1]);
+            }
+        }
+        for (j, sums) in sums.iter().enumerate() {
+            for (v, &sum) in sums.iter().enumerate() {
+                _mm256_storeu_ps(out.add(j * GROUP + v * 8), sum);
+            }
+        }
+    }
+}
+
+/// The integer GEMM of [`super::gemm`] on AVX2 without VNNI (Zen 2 and 3, Intel cores before
+/// Ice Lake), with `vpmaddubsw` (unsigned × signed bytes, pairs summed into i16) and
+/// `vpmaddwd` (i16 pairs into i32) in place of `vpdpbusd`:
+/// - INT4 and INT2 weights take unsigned activations (`x_q + 128 ≤ 255`) directly: a pair of
+///   products is at most `2 × 255 × 8 = 4080` in magnitude, so a block's eight `vpmaddubsw`
+///   results add up in i16 without saturating (≤ 32640) and one `vpmaddwd` per block widens
+///   them;
+/// - INT8 weights take signed activations and the sign trick of the GEMV (`|w|` against
+///   `x × sign(w)`, a pair at most `2 × 128 × 127`), widened after every step.
+///
+/// Every block's integer sum is exact either way, and the float sums are the reference's, so
+/// the results are its bits.
+pub(crate) static INT_GEMM: IntGemm = IntGemm {
+    name: "avx2",
+    prepare_acts: |x, n, cols, bits, acts| {
+        let layout = if bits == QuantBits::Int8 {
+            ActLayout::Signed
+        } else {
+            ActLayout::Unsigned
+        };
+        gemm::prepare_acts(x, n, cols, bits, acts, layout)
+    },
+    prepare_rows: int_gemm_rows,
+    run: |w, x, out| {
+        gemm::check_operands(w, x, out, x.layout);
+        // SAFETY: this kernel is only chosen when `supported()` said yes; the operands hold
+        // what it reads and writes (checked above).
+        unsafe { int_gemm(w, x, out) }
+    },
+};
+
+/// [`INT_GEMM`]'s products: each group of [`LANES`] activation rows against the weight rows
+/// two at a time.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; the operands passed [`gemm::check_operands`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int_gemm(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
+    let signed = x.layout.signed();
+    for group in 0..x.groups {
+        let mut first = 0;
+        while first < w.rows {
+            let take = 2.min(w.rows - first);
+            // SAFETY: rows `first..first + take` and group `group` lie inside the operands.
+            unsafe {
+                match (signed, take) {
+                    (false, 1) => int_panel::<1, false>(w, x, group, first, out),
+                    (false, _) => int_panel::<2, false>(w, x, group, first, out),
+                    (true, 1) => int_panel::<1, true>(w, x, group, first, out),
+                    (true, _) => int_panel::<2, true>(w, x, group, first, out),
+                }
+            }
+            first += take;
+        }
+    }
+}
+
+/// `R` weight rows from `first` × the [`LANES`] activation rows of `group` (two vectors of
+/// eight i32 lanes), block by block: the block's integer sums (see [`INT_GEMM`]), plus the
+/// bias for unsigned activations, converted and added to each lane's float sum by one FMA with
+/// its block scale; the sums times the row's scale at the end.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; the operands passed [`gemm::check_operands`], `first + R ≤ rows`
+/// and `group < x.groups`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int_panel<const R: usize, const SIGNED: bool>(
+    w: &GemmRows<'_>,
+    x: &GemmActs,
+    group: usize,
+    first: usize,
+    out: &mut [f32],
+) {
+    const STEPS: usize = BLOCK / 4;
+    const { assert!(LANES == 16) };
+    let (blocks, stride) = (w.blocks, x.groups * LANES);
+    let width = blocks * BLOCK;
+    // SAFETY (every access): inside the operands, as the caller promises: a group's codes are
+    // `width × LANES` bytes, `[width / 4][lane][4]`; its scales `[blocks][LANES]`; a row's
+    // codes `width` bytes.
+    unsafe {
+        let acts = x.codes.as_ptr().add(group * width * LANES);
+        let scales = x.scales.as_ptr().add(group * blocks * LANES);
+        let rows: [*const u8; R] =
+            std::array::from_fn(|j| w.codes.as_ptr().add((first + j) * width));
+        let ones = _mm256_set1_epi16(1);
+        let mut sums = [[_mm256_setzero_ps(); 2]; R];
+        for b in 0..blocks {
+            let mut ints = [[_mm256_setzero_si256(); 2]; R];
+            for s in b * STEPS..(b + 1) * STEPS {
+                let a = [
+                    _mm256_loadu_si256(acts.add(s * 4 * LANES).cast()),
+                    _mm256_loadu_si256(acts.add(s * 4 * LANES + 32).cast()),
+                ];
+                for (j, ints) in ints.iter_mut().enumerate() {
+                    let wv = _mm256_set1_epi32(rows[j].add(s * 4).cast::<i32>().read_unaligned());
+                    if SIGNED {
+                        let magnitude = _mm256_sign_epi8(wv, wv);
+                        for (int, &a) in ints.iter_mut().zip(&a) {
+                            let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, wv));
+                            *int = _mm256_add_epi32(*int, _mm256_madd_epi16(pairs, ones));
+                        }
+                    } else {
+                        for (int, &a) in ints.iter_mut().zip(&a) {
+                            *int = _mm256_add_epi16(*int, _mm256_maddubs_epi16(a, wv));
+                        }
+                    }
+                }
+            }
+            for (j, (ints, sums)) in ints.iter().zip(sums.iter_mut()).enumerate() {
+                for (v, (&int, sum)) in ints.iter().zip(sums.iter_mut()).enumerate() {
+                    let int = if SIGNED {
+                        int
+                    } else {
+                        let bias = _mm256_set1_epi32(w.bias[(first + j) * blocks + b]);
+                        _mm256_add_epi32(bias, _mm256_madd_epi16(int, ones))
+                    };
+                    let scale = _mm256_loadu_ps(scales.add(b * LANES + v * 8));
+                    *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, *sum);
+                }
+            }
+        }
+        for (j, sums) in sums.iter().enumerate() {
+            let row_scale = _mm256_set1_ps(w.scales[first + j]);
+            for (v, &sum) in sums.iter().enumerate() {
+                let at = out
+                    .as_mut_ptr()
+                    .add((first + j) * stride + group * LANES + v * 8);
+                _mm256_storeu_ps(at, _mm256_mul_ps(sum, row_scale));
+            }
+        }
+    }
+}
+
+/// [`INT_GEMM`]'s [`gemm::PrepareRows`] for rows of whole blocks (other shapes take the
+/// reference): INT8 rows where they lie and no bias (they meet signed activations); INT4 and
+/// INT2 rows unpacked with SSE shifts and masks, and their bias summed with AVX2.
+fn int_gemm_rows<'a>(
+    packed: &'a [u8],
+    bits: QuantBits,
+    cols: usize,
+    rows: usize,
+    codes: &'a mut Vec<u8>,
+    bias: &mut Vec<i32>,
+) -> &'a [u8] {
+    if !cols.is_multiple_of(BLOCK) {
+        let codes = gemm::prepare_rows(packed, bits, cols, rows, codes, bias);
+        if bits == QuantBits::Int8 {
+            bias.clear();
+        }
+        return codes;
+    }
+    let blocks = rows * cols / BLOCK;
+    let packed = &packed[..rows * bits.row_bytes(cols)];
+    bias.clear();
+    if bits == QuantBits::Int8 {
+        return packed;
+    }
+    codes.clear();
+    codes.resize(blocks * BLOCK, 0);
+    // SAFETY: `INT_GEMM` is only chosen when `supported()` said yes.
+    unsafe { unpack_blocks(packed, bits, codes, bias) };
+    codes
+}
+
+/// Unpacks whole INT4/INT2 blocks (rows of whole blocks lie back to back) into signed bytes in
+/// [`super::block_order`] (INT4: the low nibbles, then the high ones; INT2: each 2-bit field
+/// of the block's eight bytes in turn), and pushes each block's [`GemmRows::bias`].
+///
+/// # Safety
+/// The CPU has AVX2; `codes` holds `BLOCK` bytes for every block of `packed`.
+#[target_feature(enable = "avx2")]
+unsafe fn unpack_blocks(packed: &[u8], bits: QuantBits, codes: &mut [u8], bias: &mut Vec<i32>) {
+    let block_bytes = BLOCK * bits.bits() as usize / 8;
+    assert!(codes.len() >= packed.len() / block_bytes * BLOCK);
+    let (ones, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
+    // SAFETY (every access): block `b`'s packed bytes and its `BLOCK` codes lie inside the
+    // slices (asserted above).
+    unsafe {
+        for (b, src) in packed.chunks_exact(block_bytes).enumerate() {
+            let dst = codes.as_mut_ptr().add(b * BLOCK);
+            match bits {
+                QuantBits::Int4 => {
+                    let v = _mm_loadu_si128(src.as_ptr().cast());
+                    let mask = _mm_set1_epi8(0x0f);
+                    let sign =
+                        _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+                    let lo = _mm_shuffle_epi8(sign, _mm_and_si128(v, mask));
+                    let hi = _mm_shuffle_epi8(sign, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+                    _mm_storeu_si128(dst.cast(), lo);
+                    _mm_storeu_si128(dst.add(16).cast(), hi);
+                }
+                _ => {
+                    let v = _mm_loadl_epi64(src.as_ptr().cast());
+                    let (mask, two) = (_mm_set1_epi8(3), _mm_set1_epi8(2));
+                    let fields = [
+                        v,
+                        _mm_srli_epi16(v, 2),
+                        _mm_srli_epi16(v, 4),
+                        _mm_srli_epi16(v, 6),
+                    ];
+                    for (j, field) in fields.into_iter().enumerate() {
+                        // A 2-bit field `f` is the code `(f ^ 2) − 2`.
+                        let f = _mm_xor_si128(_mm_and_si128(field, mask), two);
+                        _mm_storel_epi64(dst.add(8 * j).cast(), _mm_sub_epi8(f, two));
+                    }
+                }
+            }
+            // The block's sum: |sum| ≤ 32 × 8, so `maddubs` of ones by the codes is exact.
+            let block = _mm256_loadu_si256(dst.cast());
+            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, block), ones16);
+            let s = _mm_add_epi32(
+                _mm256_castsi256_si128(sums),
+                _mm256_extracti128_si256(sums, 1),
+            );
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+            bias.push(-128 * _mm_cvtsi128_si32(s));
+        }
+    }
 }

@@ -16,7 +16,8 @@
 //! A micro-kernel holds [`PANEL`] weight rows × [`GROUP`] activation rows of sums in registers
 //! (12 of AVX-512's 32) over a block of columns: per column, two vector loads, six broadcasts
 //! and twelve FMAs. A group of at most [`HALF`] rows takes one vector per column and twice the
-//! weight rows instead, so that it still keeps twelve FMA chains in flight.
+//! weight rows instead, so that it still keeps twelve FMA chains in flight. (AVX2's sixteen
+//! 256-bit registers take a panel as two halves of [`HALF`] lanes, six rows at a time.)
 
 /// Activation rows per group (two 512-bit registers of f32).
 pub(crate) const GROUP: usize = 32;

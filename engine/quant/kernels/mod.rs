@@ -9,11 +9,11 @@
 //!   [`crate::quant::matrix`]: f16/bf16 rows with f32 activations, and integer rows with INT8
 //!   activation blocks of [`BLOCK`] values;
 //! - an integer GEMM for many activation rows against integer weights ([`gemm`]: layouts and
-//!   the scalar reference; AVX-512 VNNI in [`avx512`], `sdot` and `smmla` in [`neon`]), where
-//!   the CPU has one;
+//!   the scalar reference; AVX-512 VNNI in [`avx512`], `vpmaddubsw` in [`avx2`], `sdot` and
+//!   `smmla` in [`neon`]), where the CPU has one;
 //! - a float GEMM for an expert's share of many activation rows against float weights
-//!   ([`float_gemm`]: layout and the scalar reference; AVX-512 in [`avx512`]), where the CPU
-//!   has one.
+//!   ([`float_gemm`]: layout and the scalar reference; AVX-512 in [`avx512`], AVX2 in
+//!   [`avx2`]), where the CPU has one.
 //!
 //! Activation blocks of the dot products are stored in the order the SIMD kernels unpack
 //! weights, so no kernel shuffles in its inner loop: see [`block_order`], and [`pair_blocks`]
@@ -274,8 +274,13 @@ pub(crate) fn float_gemms() -> Vec<&'static float_gemm::FloatGemm> {
     #[allow(unused_mut)]
     let mut kernels = Vec::new();
     #[cfg(target_arch = "x86_64")]
-    if avx512::float_gemm_supported() {
-        kernels.push(&avx512::FLOAT_GEMM);
+    {
+        if avx2::supported() {
+            kernels.push(&avx2::FLOAT_GEMM);
+        }
+        if avx512::float_gemm_supported() {
+            kernels.push(&avx512::FLOAT_GEMM);
+        }
     }
     kernels
 }
@@ -298,8 +303,13 @@ pub(crate) fn int_gemms() -> Vec<&'static gemm::IntGemm> {
     #[allow(unused_mut)]
     let mut kernels = Vec::new();
     #[cfg(target_arch = "x86_64")]
-    if avx512::supported() {
-        kernels.push(&avx512::INT_GEMM);
+    {
+        if avx2::supported() {
+            kernels.push(&avx2::INT_GEMM);
+        }
+        if avx512::supported() {
+            kernels.push(&avx512::INT_GEMM);
+        }
     }
     #[cfg(target_arch = "aarch64")]
     {
