@@ -1015,11 +1015,12 @@ fn int_gemm_rows<'a>(
     bias: &mut Vec<i32>,
 ) -> &'a [u8] {
     if !cols.is_multiple_of(BLOCK) {
-        let codes = gemm::prepare_rows(packed, bits, cols, rows, codes, bias);
-        if bits == QuantBits::Int8 {
-            bias.clear();
-        }
-        return codes;
+        // The reference, with the bias only where the activations are unsigned.
+        bias.clear();
+        let bias = (bits != QuantBits::Int8).then_some(bias);
+        return gemm::prepare_rows_by(packed, bits, cols, rows, codes, bias, |src, dst| {
+            gemm::unpack_values(src, bits, cols, dst)
+        });
     }
     let blocks = rows * cols / BLOCK;
     let packed = &packed[..rows * bits.row_bytes(cols)];
