@@ -35,7 +35,7 @@ use std::sync::Mutex;
 use tch::{Device, Kind, Tensor};
 
 use super::kernels::float_gemm::{FloatActs, FloatGemm, GROUP, HALF, PANEL};
-use super::kernels::gemm::{GemmActs, GemmRows, IntGemm, LANES};
+use super::kernels::gemm::{self as int_gemm, GemmActs, GemmRows, IntGemm, LANES};
 use super::kernels::{self, Kernels, QuantRow, BLOCK};
 use super::packed_gemm::{PackBuffer, PackedActs};
 use super::parallel;
@@ -441,11 +441,12 @@ pub fn matmul(x: &[f32], n: usize, w: MatrixRef<'_>, out: &mut [f32]) -> Result<
     gemv(x, n, w, out, kernels::best())
 }
 
-/// The integer GEMM path: activations rounded and laid out once, then tiles of [`TILE_ROWS`]
-/// weight rows spread over the compute threads, each tile's rows unpacked to bytes (INT8 rows
-/// with whole blocks are used where they lie) and multiplied into a per-thread `[rows, n]`
-/// product, which the task writes into its own columns of `out`. Every output is one kernel's
-/// sum over the whole row, so tiles and threads change nothing.
+/// The integer GEMM path: activations rounded and laid out once (groups of [`LANES`] rows
+/// spread over the compute threads, each row rounded by the kernel set's SIMD rounding), then
+/// tiles of [`TILE_ROWS`] weight rows spread over the compute threads, each tile's rows
+/// unpacked to bytes (INT8 rows with whole blocks are used where they lie) and multiplied into
+/// a per-thread `[rows, n]` product, which the task writes into its own columns of `out`.
+/// Every output is one kernel's sum over the whole row, so tiles and threads change nothing.
 pub(crate) fn gemm_int(
     x: &[f32],
     n: usize,
@@ -455,9 +456,55 @@ pub(crate) fn gemm_int(
     out: &mut [f32],
 ) {
     ACTS.with_borrow_mut(|acts| {
-        (kernel.prepare_acts)(x, n, w.cols, bits, acts);
+        prepare_acts(x, n, w.cols, bits, kernel, acts);
         products_by_tile(n, w, bits, kernel, acts, out)
     })
+}
+
+/// Rounds `x` into `acts` in the kernel's layout, the groups of [`LANES`] rows spread over the
+/// compute threads (each group's codes and scales are its own).
+fn prepare_acts(
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    bits: QuantBits,
+    kernel: &IntGemm,
+    acts: &mut GemmActs,
+) {
+    let layout = (kernel.layout)(bits);
+    acts.reset(n, cols, layout);
+    let (group_codes, group_scales) = (acts.blocks * BLOCK * LANES, acts.blocks * LANES);
+    // Addresses, not references: each task writes its own group.
+    let (codes_at, scales_at) = (
+        acts.codes.as_mut_ptr() as usize,
+        acts.scales.as_mut_ptr() as usize,
+    );
+    parallel::for_each_task(acts.groups, &|g| {
+        // SAFETY: `reset` sized the buffers for `groups` groups, which outlive every task
+        // (for_each_task returns after all of them); group `g` belongs to this task alone.
+        let (codes, scales) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(
+                    (codes_at as *mut u8).add(g * group_codes),
+                    group_codes,
+                ),
+                std::slice::from_raw_parts_mut(
+                    (scales_at as *mut f32).add(g * group_scales),
+                    group_scales,
+                ),
+            )
+        };
+        let rows = &x[g * LANES * cols..((g + 1) * LANES).min(n) * cols];
+        int_gemm::prepare_group(
+            rows,
+            cols,
+            bits,
+            layout,
+            kernel.quantize_activations,
+            codes,
+            scales,
+        );
+    });
 }
 
 /// The tiles of [`gemm_int`], on prepared activations.
@@ -937,16 +984,14 @@ pub fn float_gemm_kernel() -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::kernels::gemm as int_gemm;
     use crate::quant::kernels::gemm::ActLayout;
     use crate::quant::parallel::set_compute_threads;
 
     /// The integer GEMM's scalar reference as a kernel.
     static SCALAR_GEMM: IntGemm = IntGemm {
         name: "scalar",
-        prepare_acts: |x, n, cols, bits, acts| {
-            int_gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::Unsigned)
-        },
+        layout: |_| ActLayout::Unsigned,
+        quantize_activations: kernels::scalar::quantize_activations,
         prepare_rows: int_gemm::prepare_rows,
         run: int_gemm::gemm_quant,
     };
@@ -1123,7 +1168,15 @@ mod tests {
     ) -> Vec<f32> {
         let (rows, cols) = (w.rows(), w.cols());
         let mut acts = GemmActs::default();
-        int_gemm::prepare_acts(x, n, cols, bits, &mut acts, layout);
+        int_gemm::prepare_acts(
+            x,
+            n,
+            cols,
+            bits,
+            &mut acts,
+            layout,
+            kernels::scalar::quantize_activations,
+        );
         let (mut codes, mut bias) = (Vec::new(), Vec::new());
         let codes = int_gemm::prepare_rows(w.data(), bits, cols, rows, &mut codes, &mut bias);
         if layout.signed() {

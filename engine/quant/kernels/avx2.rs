@@ -105,7 +105,9 @@ pub(crate) static KERNELS: Kernels = Kernels {
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
     widen_f16: |src, out| unsafe { widen_f16(src, out) },
     widen_bf16: |src, out| unsafe { widen_bf16(src, out) },
-    quantize_activations: super::scalar::quantize_activations,
+    quantize_activations: |x, bits, codes, scales| unsafe {
+        quantize_activations(x, bits, codes, scales)
+    },
     paired: false,
     dot_quant4: None,
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows(row, cols, xs, out) }),
@@ -130,7 +132,9 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     dot_f32: |row, x| unsafe { dot_f32(row, x) },
     widen_f16: |src, out| unsafe { widen_f16(src, out) },
     widen_bf16: |src, out| unsafe { widen_bf16(src, out) },
-    quantize_activations: super::scalar::quantize_activations,
+    quantize_activations: |x, bits, codes, scales| unsafe {
+        quantize_activations(x, bits, codes, scales)
+    },
     paired: false,
     dot_quant4: None,
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows_vnni(row, cols, xs, out) }),
@@ -883,13 +887,16 @@ unsafe fn float_half_panel<const R: usize>(
 /// the results are its bits.
 pub(crate) static INT_GEMM: IntGemm = IntGemm {
     name: "avx2",
-    prepare_acts: |x, n, cols, bits, acts| {
-        let layout = if bits == QuantBits::Int8 {
+    layout: |bits| {
+        if bits == QuantBits::Int8 {
             ActLayout::Signed
         } else {
             ActLayout::Unsigned
-        };
-        gemm::prepare_acts(x, n, cols, bits, acts, layout)
+        }
+    },
+    // SAFETY: this kernel is only chosen when `supported()` said yes.
+    quantize_activations: |x, bits, codes, scales| unsafe {
+        quantize_activations(x, bits, codes, scales)
     },
     prepare_rows: int_gemm_rows,
     run: |w, x, out| {
@@ -1049,7 +1056,14 @@ unsafe fn unpack_blocks(packed: &[u8], bits: QuantBits, codes: &mut [u8], bias: 
     // SAFETY (every access): block `b`'s packed bytes and its `BLOCK` codes lie inside the
     // slices (asserted above).
     unsafe {
-        for (b, src) in packed.chunks_exact(block_bytes).enumerate() {
+        bias.reserve(packed.len() / block_bytes);
+        // INT4 blocks two at a time, as 256-bit vectors.
+        let pairs = if bits == QuantBits::Int4 {
+            unpack_int4_pairs(packed, codes, bias)
+        } else {
+            0
+        };
+        for (b, src) in packed.chunks_exact(block_bytes).enumerate().skip(2 * pairs) {
             let dst = codes.as_mut_ptr().add(b * BLOCK);
             match bits {
                 QuantBits::Int4 => {
@@ -1090,4 +1104,140 @@ unsafe fn unpack_blocks(packed: &[u8], bits: QuantBits, codes: &mut [u8], bias: 
             bias.push(-128 * _mm_cvtsi128_si32(s));
         }
     }
+}
+
+/// [`unpack_blocks`] for the first pairs of whole INT4 blocks (16 packed bytes each): their codes
+/// and their bias; returns how many pairs.
+///
+/// # Safety
+/// The CPU has AVX2; `codes` holds `BLOCK` bytes for every block of `packed`.
+#[target_feature(enable = "avx2")]
+unsafe fn unpack_int4_pairs(packed: &[u8], codes: &mut [u8], bias: &mut Vec<i32>) -> usize {
+    let pairs = packed.len() / 32;
+    assert!(codes.len() >= pairs * 2 * BLOCK);
+    let mask = _mm256_set1_epi8(0x0f);
+    let sign = _mm256_setr_epi8(
+        0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6,
+        -5, -4, -3, -2, -1,
+    );
+    let (top, zero) = (_mm256_set1_epi8(-128), _mm256_setzero_si256());
+    for p in 0..pairs {
+        // SAFETY: pair `p`'s 32 packed bytes and 64 codes lie inside the slices (asserted above).
+        unsafe {
+            let v = _mm256_loadu_si256(packed.as_ptr().add(p * 32).cast());
+            let lo = _mm256_shuffle_epi8(sign, _mm256_and_si256(v, mask));
+            let hi = _mm256_shuffle_epi8(sign, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+            let dst = codes.as_mut_ptr().add(p * 2 * BLOCK);
+            _mm256_storeu_si256(dst.cast(), _mm256_permute2x128_si256::<0x20>(lo, hi));
+            _mm256_storeu_si256(
+                dst.add(BLOCK).cast(),
+                _mm256_permute2x128_si256::<0x31>(lo, hi),
+            );
+            // Each block's sum: `sad` adds eight unsigned `code + 128` at a time.
+            let sums = _mm256_add_epi64(
+                _mm256_sad_epu8(_mm256_xor_si256(lo, top), zero),
+                _mm256_sad_epu8(_mm256_xor_si256(hi, top), zero),
+            );
+            let sums = _mm256_add_epi64(sums, _mm256_shuffle_epi32::<0b01_00_11_10>(sums));
+            let offset = (BLOCK as i32) * 128;
+            bias.push(-128 * (_mm256_extract_epi32::<0>(sums) - offset));
+            bias.push(-128 * (_mm256_extract_epi32::<4>(sums) - offset));
+        }
+    }
+    pairs
+}
+
+// ---- activation rounding ----
+
+/// [`reference::quantize_activations`] (the GEMV's activation rounding, and the integer
+/// GEMM's) 32 values at a time: each block's scale from the largest magnitude of its
+/// [`super::scale_group`], its values rounded half away from zero by truncating and comparing
+/// the remainder, narrowed with saturation and put in [`super::block_order`]. The same codes and
+/// scales for finite values.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_activations(x: &[f32], bits: QuantBits, codes: &mut [i8], scales: &mut [f32]) {
+    let blocks = x.len().div_ceil(BLOCK);
+    assert!(codes.len() >= blocks * BLOCK && scales.len() >= blocks);
+    let group = super::scale_group(bits);
+    // Natural order from the packs' lane interleaving, then the block order: a byte shuffle
+    // within each 128-bit lane and a permutation of 4-byte words across them.
+    let unpack = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let (shuffle, words) = match bits {
+        QuantBits::Int8 => (None, unpack),
+        QuantBits::Int4 => (
+            Some(_mm256_setr_epi8(
+                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1,
+                3, 5, 7, 9, 11, 13, 15,
+            )),
+            _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7),
+        ),
+        QuantBits::Int2 => (
+            Some(_mm256_setr_epi8(
+                0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9, 13, 2,
+                6, 10, 14, 3, 7, 11, 15,
+            )),
+            unpack,
+        ),
+    };
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let (half, minus_half) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5));
+    for first in (0..blocks).step_by(group) {
+        let last = (first + group).min(blocks);
+        // `max(|v|, m)` keeps `m` where `v` is NaN, as the scalar `f32::max` does.
+        let mut max = _mm256_setzero_ps();
+        for b in first..last {
+            for v in block_values(x, b) {
+                max = _mm256_max_ps(_mm256_and_ps(v, magnitude), max);
+            }
+        }
+        let max = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps(max, 1));
+        let max = _mm_max_ps(max, _mm_movehl_ps(max, max));
+        let max = _mm_cvtss_f32(_mm_max_ss(max, _mm_movehdup_ps(max)));
+        let d = max / 127.0;
+        let inverse = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        scales[first..last].fill(d);
+        for b in first..last {
+            let q = block_values(x, b).map(|v| {
+                let v = _mm256_mul_ps(v, inverse);
+                let t = _mm256_cvttps_epi32(v);
+                let fraction = _mm256_sub_ps(v, _mm256_cvtepi32_ps(t));
+                // Comparisons are all ones (−1) where true.
+                let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(fraction, half));
+                let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(fraction, minus_half));
+                _mm256_add_epi32(_mm256_sub_epi32(t, up), down)
+            });
+            let packed = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let ordered = match shuffle {
+                Some(shuffle) => _mm256_permutevar8x32_epi32(
+                    _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(packed, unpack), shuffle),
+                    words,
+                ),
+                None => _mm256_permutevar8x32_epi32(packed, words),
+            };
+            // SAFETY: block `b`'s 32 codes (length asserted above).
+            unsafe { _mm256_storeu_si256(codes.as_mut_ptr().add(b * BLOCK).cast(), ordered) };
+        }
+    }
+}
+
+/// The 32 values of block `b` of an activation row (zero past the row's end).
+#[target_feature(enable = "avx2")]
+fn block_values(row: &[f32], b: usize) -> [__m256; 4] {
+    let first = b * BLOCK;
+    let mut padded = [0f32; BLOCK];
+    let values = match row.get(first..first + BLOCK) {
+        Some(values) => values,
+        None => {
+            padded[..row.len() - first].copy_from_slice(&row[first..]);
+            &padded
+        }
+    };
+    // SAFETY: four times eight of the block's 32 values.
+    unsafe { [0, 8, 16, 24].map(|i| _mm256_loadu_ps(values.as_ptr().add(i))) }
 }

@@ -32,7 +32,10 @@ pub(crate) fn supported() -> bool {
 pub(crate) static INT_GEMM: IntGemm = IntGemm {
     name: "avx512-vnni",
     // SAFETY: this kernel is only chosen when `supported()` said yes.
-    prepare_acts: |x, n, cols, bits, acts| unsafe { prepare_acts(x, n, cols, bits, acts) },
+    layout: |_| gemm::ActLayout::Unsigned,
+    quantize_activations: |x, bits, codes, scales| unsafe {
+        quantize_activations(x, bits, codes, scales)
+    },
     prepare_rows,
     // SAFETY: this kernel is only chosen when `supported()` said yes.
     run: |w, x, out| unsafe { gemm_quant(w, x, out) },
@@ -426,37 +429,8 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
     })
 }
 
-/// The reference activation preparation of [`super::gemm`], 32 values at a time: each block
-/// rounded by [`round_block`] at its [`block_scales`] scale, made unsigned, and its eight
-/// 4-byte steps scattered into its row's lane.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-fn prepare_acts(x: &[f32], n: usize, cols: usize, bits: QuantBits, acts: &mut GemmActs) {
-    acts.reset(n, cols, gemm::ActLayout::Unsigned);
-    let blocks = acts.blocks;
-    let width = blocks * BLOCK;
-    assert!(x.len() >= n * cols && acts.codes.len() >= n.div_ceil(LANES) * width * LANES);
-    let order = BlockOrder::new(bits);
-    let mut row_scales = vec![0f32; blocks];
-    for (t, row) in x.chunks_exact(cols).take(n).enumerate() {
-        let (group, lane) = (t / LANES, t % LANES);
-        let lane_codes = acts.codes[group * width * LANES + lane * 4..].as_mut_ptr();
-        let steps = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
-        block_scales(row, bits, &mut row_scales);
-        for (b, &d) in row_scales.iter().enumerate() {
-            let codes = round_block(row, b, d, &order);
-            acts.scales[(group * blocks + b) * LANES + lane] = d;
-            let codes = _mm256_xor_si256(codes, _mm256_set1_epi8(-128));
-            // SAFETY: the block's eight steps of this row's lane: bytes `(b × 8 + s) × 64` past
-            // `lane_codes`, inside the group (length asserted above).
-            unsafe {
-                _mm256_i32scatter_epi32::<4>(lane_codes.add(b * 8 * 64).cast(), steps, codes)
-            };
-        }
-    }
-}
-
-/// [`scalar::quantize_activations`] (the GEMV's activation rounding), 32 values at a time as
-/// [`prepare_acts`] rounds them: the same codes and scales.
+/// [`scalar::quantize_activations`] (the GEMV's activation rounding, and the integer GEMM's),
+/// 32 values at a time: the same codes and scales.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn quantize_activations(x: &[f32], bits: QuantBits, codes: &mut [i8], scales: &mut [f32]) {
     let blocks = x.len().div_ceil(BLOCK);

@@ -29,7 +29,7 @@
 //! otherwise `sdot` where it has `dotprod` (ARMv8.2+: a Raspberry Pi 5's Cortex-A76, Jetson
 //! Orin's A78AE). Elsewhere many-row products take dequantized tiles.
 
-use super::{block_order, scalar, BLOCK};
+use super::{block_order, scalar, QuantizeActivations, BLOCK};
 use crate::quant::QuantBits;
 
 /// Activation rows per group (one 512-bit register of i32 lanes).
@@ -109,13 +109,10 @@ impl GemmActs {
     }
 }
 
-/// Rounds `x` (`[n, cols]`) into `acts` (after [`GemmActs::reset`]) as the GEMV does, each
-/// block in [`block_order`] for weights of `bits`, and transposes it into groups.
-pub(crate) type PrepareActs = fn(&[f32], usize, usize, QuantBits, &mut GemmActs);
-
-/// Rounds each row by [`scalar::quantize_activations`] (the GEMV's rounding) and writes it into
-/// its lane in `layout`: the reference [`PrepareActs`] for every layout, and the NEON kernels'.
-#[cfg_attr(not(any(test, target_arch = "aarch64")), allow(dead_code))]
+/// Rounds `x` (`[n, cols]`) into `acts` for weights of `bits` in `layout`, one group of
+/// [`LANES`] rows after another ([`prepare_group`]): the serial form of what the integer GEMM
+/// spreads over the compute threads.
+#[cfg(test)]
 pub(crate) fn prepare_acts(
     x: &[f32],
     n: usize,
@@ -123,24 +120,79 @@ pub(crate) fn prepare_acts(
     bits: QuantBits,
     acts: &mut GemmActs,
     layout: ActLayout,
+    quantize: QuantizeActivations,
 ) {
     acts.reset(n, cols, layout);
-    let zero = layout.zero();
-    let blocks = acts.blocks;
-    let width = blocks * BLOCK;
-    let (mut row_codes, mut row_scales) = (vec![0i8; width], vec![0f32; blocks]);
-    for (t, row) in x.chunks_exact(cols).enumerate().take(n) {
-        row_codes.fill(0);
-        scalar::quantize_activations(row, bits, &mut row_codes, &mut row_scales);
-        let (group, lane) = (t / LANES, t % LANES);
-        let codes = &mut acts.codes[group * width * LANES..(group + 1) * width * LANES];
-        for (i, &q) in row_codes.iter().enumerate() {
-            codes[layout.at(lane, i)] = (i32::from(q) + zero) as u8;
-        }
-        for (b, &s) in row_scales.iter().enumerate() {
-            acts.scales[(group * blocks + b) * LANES + lane] = s;
-        }
+    let (group_codes, group_scales) = (acts.blocks * BLOCK * LANES, acts.blocks * LANES);
+    for (g, (codes, scales)) in acts
+        .codes
+        .chunks_exact_mut(group_codes)
+        .zip(acts.scales.chunks_exact_mut(group_scales))
+        .enumerate()
+    {
+        let rows = &x[g * LANES * cols..((g + 1) * LANES).min(n) * cols];
+        prepare_group(rows, cols, bits, layout, quantize, codes, scales);
     }
+}
+
+/// Rounds the rows of one group (`rows`: at most [`LANES`] rows of `cols` values) by
+/// `quantize` (a kernel set's [`scalar::quantize_activations`], the GEMV's rounding) and writes
+/// each into its lane of the group's `codes` and `scales` (as [`GemmActs::reset`] sized them,
+/// padding already a zero).
+pub(crate) fn prepare_group(
+    rows: &[f32],
+    cols: usize,
+    bits: QuantBits,
+    layout: ActLayout,
+    quantize: QuantizeActivations,
+    codes: &mut [u8],
+    scales: &mut [f32],
+) {
+    let blocks = cols.div_ceil(BLOCK);
+    let width = blocks * BLOCK;
+    assert!(rows.len() <= LANES * cols && codes.len() >= width * LANES);
+    assert!(scales.len() >= blocks * LANES);
+    // Unsigned codes are the signed ones plus 128: their top bit flipped.
+    let flip: u32 = if layout.signed() { 0 } else { 0x8080_8080 };
+    ROW.with_borrow_mut(|(row_codes, row_scales)| {
+        row_codes.resize(width, 0);
+        row_scales.resize(blocks, 0.0);
+        for (lane, row) in rows.chunks_exact(cols).enumerate() {
+            // Codes past the row's end stay zero (the scalar rounding leaves them unwritten).
+            row_codes[(blocks - 1) * BLOCK..].fill(0);
+            quantize(row, bits, row_codes, row_scales);
+            for (b, &s) in row_scales.iter().enumerate() {
+                scales[b * LANES + lane] = s;
+            }
+            match layout {
+                ActLayout::Unsigned | ActLayout::Signed => {
+                    for (step, four) in row_codes.chunks_exact(4).enumerate() {
+                        let word = u32::from_ne_bytes([
+                            four[0] as u8,
+                            four[1] as u8,
+                            four[2] as u8,
+                            four[3] as u8,
+                        ]) ^ flip;
+                        let at = (step * LANES + lane) * 4;
+                        codes[at..at + 4].copy_from_slice(&word.to_ne_bytes());
+                    }
+                }
+                ActLayout::SignedPairs => {
+                    for (step, eight) in row_codes.chunks_exact(8).enumerate() {
+                        let at = layout.at(lane, step * 8);
+                        for (c, &q) in codes[at..at + 8].iter_mut().zip(eight) {
+                            *c = q as u8;
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+thread_local! {
+    /// One activation row's codes and block scales, between rounding and placing.
+    static ROW: std::cell::RefCell<(Vec<i8>, Vec<f32>)> = std::cell::RefCell::default();
 }
 
 /// Weight rows as the kernels read them.
@@ -178,7 +230,10 @@ pub(crate) fn check_operands(w: &GemmRows<'_>, x: &GemmActs, out: &[f32], layout
 /// An integer GEMM kernel, the preparation of its operands, and its name.
 pub(crate) struct IntGemm {
     pub name: &'static str,
-    pub prepare_acts: PrepareActs,
+    /// The layout the kernel reads activations of weights of these bits in.
+    pub layout: fn(QuantBits) -> ActLayout,
+    /// Rounds one activation row ([`prepare_group`] places it).
+    pub quantize_activations: QuantizeActivations,
     pub prepare_rows: PrepareRows,
     pub run: GemmQuant,
 }

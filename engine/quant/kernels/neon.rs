@@ -542,9 +542,8 @@ const GEMM_MAX_ROWS: usize = 3;
 /// so one 16-byte load of a weight row serves four steps of four values.
 pub(crate) static INT_GEMM_DOTPROD: IntGemm = IntGemm {
     name: "neon-dotprod",
-    prepare_acts: |x, n, cols, bits, acts| {
-        gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::Signed)
-    },
+    layout: |_| ActLayout::Signed,
+    quantize_activations: super::scalar::quantize_activations,
     prepare_rows,
     // SAFETY: this kernel is only chosen when `dotprod_supported()` said yes.
     run: |w, x, out| unsafe { gemm_quant_sdot(w, x, out) },
@@ -561,9 +560,8 @@ pub(crate) fn i8mm_supported() -> bool {
 /// activations in [`ActLayout::SignedPairs`].
 pub(crate) static INT_GEMM_I8MM: IntGemm = IntGemm {
     name: "neon-i8mm",
-    prepare_acts: |x, n, cols, bits, acts| {
-        gemm::prepare_acts(x, n, cols, bits, acts, ActLayout::SignedPairs)
-    },
+    layout: |_| ActLayout::SignedPairs,
+    quantize_activations: super::scalar::quantize_activations,
     prepare_rows,
     // SAFETY: this kernel is only chosen when `i8mm_supported()` said yes.
     run: |w, x, out| unsafe { gemm_quant_mmla(w, x, out) },
