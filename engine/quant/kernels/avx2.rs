@@ -97,7 +97,7 @@ pub(crate) fn supported() -> bool {
 
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx2",
-    // SAFETY (the float kernels and widenings): this set is only chosen when `supported()`
+    // SAFETY (the float kernels, widenings and rounding): this set is only chosen when `supported()`
     // said yes.
     dot_quant,
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
@@ -124,7 +124,7 @@ pub(crate) fn vnni_supported() -> bool {
 /// [`KERNELS`] with the integer rows on `vpdpbusd`.
 pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     name: "avx2+vnni",
-    // SAFETY (the float kernels and widenings): this set is only chosen when
+    // SAFETY (the float kernels, widenings and rounding): this set is only chosen when
     // `vnni_supported()` said yes.
     dot_quant: dot_quant_vnni,
     dot_f16: |row, x| unsafe { dot_f16(row, x) },

@@ -136,7 +136,7 @@ pub(crate) fn prepare_acts(
 }
 
 /// Rounds the rows of one group (`rows`: at most [`LANES`] rows of `cols` values) by
-/// `quantize` (a kernel set's [`scalar::quantize_activations`], the GEMV's rounding) and writes
+/// `quantize` (a kernel set's rounding: [`scalar::quantize_activations`]'s codes) and writes
 /// each into its lane of the group's `codes` and `scales` (as [`GemmActs::reset`] sized them,
 /// padding already a zero).
 pub(crate) fn prepare_group(
