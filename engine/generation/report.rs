@@ -41,8 +41,9 @@ pub struct KernelStats {
     #[serde(deserialize_with = "Option::deserialize")]
     pub int_gemm: Option<String>,
     /// The float GEMM of many-row products on float weights (and on integer weights without an
-    /// integer GEMM), up to `FLOAT_GEMM_MAX_ROWS` activation rows: `avx512` or `avx2`; `null` where there
-    /// is none and such products take libtorch's f32 GEMM on tiles (the key itself is required).
+    /// integer GEMM), up to `FLOAT_GEMM_MAX_ROWS` activation rows: `avx512` or `avx2`; `null`
+    /// where there is none and such products take libtorch's f32 GEMM on tiles (the key itself
+    /// is required).
     #[serde(deserialize_with = "Option::deserialize")]
     pub float_gemm: Option<String>,
 }

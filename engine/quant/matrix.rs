@@ -15,8 +15,8 @@
 //!   activations rounded to INT8 blocks as for the GEMV, the same integer block sums, no weight
 //!   expanded. Otherwise (float formats, other CPUs), up to [`FLOAT_GEMM_MAX_ROWS`] activation
 //!   rows (an expert's share of a pass) take the float GEMM of [`kernels::float_gemm`] where the
-//!   CPU has one (AVX-512 or AVX2): one FMA chain per output, the weights widened a task of rows at a
-//!   time. More rows, or other CPUs: tiles of [`TILE_ROWS`] weight rows dequantized into a
+//!   CPU has one (AVX-512 or AVX2): one FMA chain per output, the weights widened a task of
+//!   rows at a time. More rows, or other CPUs: tiles of [`TILE_ROWS`] weight rows dequantized into a
 //!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place), which is
 //!   faster there (BENCHMARKS.md §9.18): MKL's packed GEMM on activations packed once where
 //!   libtorch links MKL ([`super::packed_gemm`], §9.25), libtorch's `mm` elsewhere.
@@ -950,8 +950,8 @@ pub fn matmul_kernel() -> &'static str {
     kernels::best().name
 }
 
-/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"avx2"`, `"neon-dotprod"`, `"neon-i8mm"`), or `None`
-/// (dequantized tiles and libtorch's f32 GEMM).
+/// The integer GEMM this CPU uses (`"avx512-vnni"`, `"avx2"`, `"neon-dotprod"`,
+/// `"neon-i8mm"`), or `None` (dequantized tiles and libtorch's f32 GEMM).
 pub fn int_gemm_kernel() -> Option<&'static str> {
     kernels::int_gemm().map(|k| k.name)
 }

@@ -97,8 +97,8 @@ pub(crate) fn supported() -> bool {
 
 pub(crate) static KERNELS: Kernels = Kernels {
     name: "avx2",
-    // SAFETY (the float kernels, widenings and rounding): this set is only chosen when `supported()`
-    // said yes.
+    // SAFETY (the float kernels, widenings and rounding): this set is only chosen when
+    // `supported()` said yes.
     dot_quant,
     dot_f16: |row, x| unsafe { dot_f16(row, x) },
     dot_bf16: |row, x| unsafe { dot_bf16(row, x) },
@@ -1012,7 +1012,8 @@ unsafe fn int_panel<const R: usize, const SIGNED: bool>(
 
 /// [`INT_GEMM`]'s [`gemm::PrepareRows`] for rows of whole blocks (other shapes take the
 /// reference): INT8 rows where they lie and no bias (they meet signed activations); INT4 and
-/// INT2 rows unpacked with SSE shifts and masks, and their bias summed with AVX2.
+/// INT2 rows unpacked by [`unpack_blocks`] (INT4 two blocks at a time in AVX2, the bias from
+/// `vpsadbw`; INT2 with SSE shifts and masks).
 fn int_gemm_rows<'a>(
     packed: &'a [u8],
     bits: QuantBits,
@@ -1044,7 +1045,8 @@ fn int_gemm_rows<'a>(
 
 /// Unpacks whole INT4/INT2 blocks (rows of whole blocks lie back to back) into signed bytes in
 /// [`super::block_order`] (INT4: the low nibbles, then the high ones; INT2: each 2-bit field
-/// of the block's eight bytes in turn), and pushes each block's [`GemmRows::bias`].
+/// of the block's eight bytes in turn), and pushes each block's [`GemmRows::bias`]. INT4 blocks
+/// go two at a time by [`unpack_int4_pairs`]; this loop takes an odd last one.
 ///
 /// # Safety
 /// The CPU has AVX2; `codes` holds `BLOCK` bytes for every block of `packed`.

@@ -25,9 +25,11 @@
 //! whenever n < rows.
 //!
 //! Kernels: AVX-512 VNNI on x86_64, or AVX2 alone (`vpmaddubsw` + `vpmaddwd`: INT8 weights on
-//! signed activations, INT4/INT2 ones on unsigned); on aarch64, `smmla` where the CPU has `i8mm` (ARMv8.6+) and
-//! otherwise `sdot` where it has `dotprod` (ARMv8.2+: a Raspberry Pi 5's Cortex-A76, Jetson
-//! Orin's A78AE). Elsewhere many-row products take dequantized tiles.
+//! signed activations, INT4/INT2 ones on unsigned); on aarch64, `smmla` where the CPU has
+//! `i8mm` (ARMv8.6+) and otherwise `sdot` where it has `dotprod` (ARMv8.2+: a Raspberry Pi 5's
+//! Cortex-A76, Jetson Orin's A78AE). Elsewhere many-row products take dequantized tiles. Every
+//! kernel's activations are rounded by its kernel set's rounding and placed by
+//! [`prepare_group`], a group of [`LANES`] rows per task.
 
 use super::{block_order, scalar, QuantizeActivations, BLOCK};
 use crate::quant::QuantBits;
