@@ -20,6 +20,8 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Before any other thread and any large allocation.
+    edgemoe::memory::reuse_freed_memory();
     // Before any other thread: an interrupted run removes its temporary files.
     edgemoe::interrupt::install();
     let args = cli::Cli::parse();

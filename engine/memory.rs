@@ -9,6 +9,10 @@
 //! memory that asks for them (`transparent_hugepage=madvise`), so [`PageBytes`] asks: it
 //! aligns a large buffer to the huge-page size and advises the kernel (`MADV_HUGEPAGE`) before
 //! the first write. Elsewhere, or where the kernel says no, it is an ordinary aligned buffer.
+//!
+//! The working memory of a forward pass (libtorch's tensors, the kernels' scratch) is allocated
+//! and freed many times over with the same sizes; [`reuse_freed_memory`] keeps the C allocator
+//! from handing it back to the kernel between uses, so that it is not faulted in and zeroed again.
 
 use std::alloc::{self, Layout};
 use std::sync::{Arc, OnceLock};
@@ -27,6 +31,39 @@ pub fn huge_page_size() -> usize {
             .filter(|s| s.is_power_of_two() && *s >= 4096)
             .unwrap_or(2 << 20)
     })
+}
+
+/// Allocations below this size come from the allocator's heap, which keeps them for reuse once
+/// freed, rather than from a fresh `mmap` each (glibc's largest allowed value on 64-bit targets).
+const MMAP_THRESHOLD: usize = 32 << 20;
+
+/// Free memory the heap may keep at its top before handing it back (glibc's own rule when it
+/// adjusts the thresholds itself: twice the `mmap` threshold).
+const TRIM_THRESHOLD: usize = 2 * MMAP_THRESHOLD;
+
+/// Sets glibc's allocator to keep freed memory for reuse: called once at the start of the
+/// process, before any other thread exists.
+///
+/// glibc serves an allocation of at least its `mmap` threshold with a fresh `mmap` and unmaps it
+/// on free. The threshold adapts (it rises to the size of the last such block freed), but an
+/// allocation of exactly that size still takes `mmap`, and an encoder allocates the same sizes
+/// over and over: switch-base-8's attention scores are 12 heads × 353 × 353 floats (6 MiB), three
+/// such tensors per layer. Each fresh mapping is faulted in 4 KiB at a time and zeroed by the
+/// kernel: 42,000 page faults in one 353-token encode, about a tenth of its time
+/// (BENCHMARKS.md §9.28). With a fixed threshold of 32 MiB and the heap trimmed only above
+/// 64 MiB of free space, freed blocks are reused instead. The cost is at most 64 MiB of freed
+/// memory kept at the top of the heap; blocks of 32 MiB and more (the resident weights, the
+/// expert buffer) still come from `mmap` and go back when freed.
+///
+/// Other C libraries (musl) keep their own rules; there this does nothing.
+pub fn reuse_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only sets the allocator's parameters; both values are within the ranges
+    // glibc accepts (it returns 0 and changes nothing otherwise).
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD as libc::c_int);
+    }
 }
 
 /// Owned bytes in a buffer on huge pages where it spans one: a whole buffer, or one of the

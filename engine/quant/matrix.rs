@@ -543,21 +543,19 @@ fn products_by_tile(
             };
             products.resize((end - start) * stride, 0.0);
             (kernel.run)(&tile, acts, products);
-            for i in 0..n {
-                // SAFETY: `out` is `[n, rows]` (checked by `matmul`) and outlives every task
-                // (for_each_task returns after all of them); columns `start..end` belong to this
-                // task alone.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        (out_at as *mut f32).add(i * rows + start),
-                        end - start,
-                    )
-                };
-                // Row by row of `out` (the products are small enough to stay in cache).
-                for (d, ys) in dst.iter_mut().zip(products.chunks_exact(stride)) {
-                    *d = ys[i];
-                }
-            }
+            // SAFETY: `out` is `[n, rows]` (checked by `matmul`) and outlives every task
+            // (for_each_task returns after all of them); columns `start..end` belong to this
+            // task alone.
+            unsafe {
+                int_gemm::transpose_products(
+                    products,
+                    stride,
+                    end - start,
+                    n,
+                    (out_at as *mut f32).add(start),
+                    rows,
+                )
+            };
         })
     });
 }
@@ -1233,6 +1231,45 @@ mod tests {
                         .zip(&want)
                         .all(|(g, e)| g.to_bits() == e.to_bits());
                     assert!(same, "{} {} [{rows}, {cols}] n={n}", int.name, bits.name());
+                }
+            }
+        }
+    }
+
+    /// The tile's products land in the output's layout, every value in its place and nothing
+    /// outside the tile's columns written: shapes with whole SIMD blocks, partial ones on
+    /// either edge, and none.
+    #[test]
+    fn products_are_transposed_into_their_columns() {
+        for (rows, n, stride) in [
+            (16, 16, 16),
+            (13, 37, 48),
+            (8, 5, 16),
+            (3, 9, 9),
+            (21, 8, 8),
+        ] {
+            let products: Vec<f32> = (0..rows * stride).map(|i| i as f32).collect();
+            let (start, out_stride) = (3, rows + 5);
+            let mut out = vec![-1f32; n * out_stride];
+            // SAFETY: `out` holds `n` rows of `out_stride ≥ start + rows` floats.
+            unsafe {
+                int_gemm::transpose_products(
+                    &products,
+                    stride,
+                    rows,
+                    n,
+                    out.as_mut_ptr().add(start),
+                    out_stride,
+                )
+            };
+            for t in 0..n {
+                for c in 0..out_stride {
+                    let want = if (start..start + rows).contains(&c) {
+                        products[(c - start) * stride + t]
+                    } else {
+                        -1.0
+                    };
+                    assert_eq!(out[t * out_stride + c], want, "[{rows}, {n}] at ({t}, {c})");
                 }
             }
         }

@@ -1010,6 +1010,72 @@ unsafe fn int_panel<const R: usize, const SIGNED: bool>(
     }
 }
 
+/// [`gemm::transpose_products`] in 8 × 8 blocks: eight rows of products loaded, transposed in
+/// registers (unpack, shuffle, swap of 128-bit halves) and stored as eight rows of the output,
+/// the blocks of one group of eight activation rows after another, so that each output row is
+/// written in order; the edges element by element.
+///
+/// # Safety
+/// The CPU has AVX2; as [`gemm::transpose_products`], whose assert holds.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn transpose(
+    products: &[f32],
+    stride: usize,
+    rows: usize,
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let (whole_rows, whole_lanes) = (rows / 8 * 8, n / 8 * 8);
+    // SAFETY (every access): rows below `rows` of `stride ≥ n` floats lie in `products`, and
+    // `out` takes every `t × out_stride + r` for `t < n`, `r < rows` (the caller's promise).
+    unsafe {
+        for t in (0..whole_lanes).step_by(8) {
+            for r in (0..whole_rows).step_by(8) {
+                let v: [__m256; 8] = std::array::from_fn(|k| {
+                    _mm256_loadu_ps(products.as_ptr().add((r + k) * stride + t))
+                });
+                let pairs = [
+                    _mm256_unpacklo_ps(v[0], v[1]),
+                    _mm256_unpackhi_ps(v[0], v[1]),
+                    _mm256_unpacklo_ps(v[2], v[3]),
+                    _mm256_unpackhi_ps(v[2], v[3]),
+                    _mm256_unpacklo_ps(v[4], v[5]),
+                    _mm256_unpackhi_ps(v[4], v[5]),
+                    _mm256_unpacklo_ps(v[6], v[7]),
+                    _mm256_unpackhi_ps(v[6], v[7]),
+                ];
+                // Lane j (and j + 4) of rows r..r + 4, then of rows r + 4..r + 8.
+                let quads = [
+                    _mm256_shuffle_ps::<0x44>(pairs[0], pairs[2]),
+                    _mm256_shuffle_ps::<0xEE>(pairs[0], pairs[2]),
+                    _mm256_shuffle_ps::<0x44>(pairs[1], pairs[3]),
+                    _mm256_shuffle_ps::<0xEE>(pairs[1], pairs[3]),
+                    _mm256_shuffle_ps::<0x44>(pairs[4], pairs[6]),
+                    _mm256_shuffle_ps::<0xEE>(pairs[4], pairs[6]),
+                    _mm256_shuffle_ps::<0x44>(pairs[5], pairs[7]),
+                    _mm256_shuffle_ps::<0xEE>(pairs[5], pairs[7]),
+                ];
+                for j in 0..4 {
+                    let low = _mm256_permute2f128_ps::<0x20>(quads[j], quads[j + 4]);
+                    let high = _mm256_permute2f128_ps::<0x31>(quads[j], quads[j + 4]);
+                    _mm256_storeu_ps(out.add((t + j) * out_stride + r), low);
+                    _mm256_storeu_ps(out.add((t + j + 4) * out_stride + r), high);
+                }
+            }
+        }
+        gemm::transpose_part(
+            products,
+            stride,
+            0..whole_rows,
+            whole_lanes..n,
+            out,
+            out_stride,
+        );
+        gemm::transpose_part(products, stride, whole_rows..rows, 0..n, out, out_stride);
+    }
+}
+
 /// [`INT_GEMM`]'s [`gemm::PrepareRows`] for rows of whole blocks (other shapes take the
 /// reference): INT8 rows where they lie and no bias (they meet signed activations); INT4 and
 /// INT2 rows unpacked by [`unpack_blocks`] (INT4 two blocks at a time in AVX2, the bias from

@@ -273,6 +273,58 @@ pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     }
 }
 
+/// Writes a tile's products (`rows` rows of `stride` floats: [`GemmQuant`]'s `out`, one row per
+/// weight row) into the output's layout, one row per activation row: `out[t × out_stride + r] =
+/// products[r × stride + t]` for `r < rows` and `t < n`. In 8 × 8 blocks transposed in registers
+/// on AVX2, 4 × 4 on NEON; element by element elsewhere and at the edges.
+///
+/// # Safety
+/// `out` is valid for those writes, and nothing else reads or writes them meanwhile.
+pub(crate) unsafe fn transpose_products(
+    products: &[f32],
+    stride: usize,
+    rows: usize,
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    assert!(n <= stride && products.len() >= rows * stride);
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::supported() {
+        // SAFETY: the CPU has AVX2; the rest is the caller's promise and the assert above.
+        return unsafe { super::avx2::transpose(products, stride, rows, n, out, out_stride) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above (NEON is always there on aarch64).
+    return unsafe { super::neon::transpose(products, stride, rows, n, out, out_stride) };
+    #[allow(unreachable_code)]
+    // SAFETY: as above.
+    unsafe {
+        transpose_part(products, stride, 0..rows, 0..n, out, out_stride)
+    }
+}
+
+/// [`transpose_products`] element by element for rows `rows` and activation rows `lanes`: the
+/// whole of it where there is no SIMD form, the edges of the SIMD forms' blocks otherwise.
+///
+/// # Safety
+/// As [`transpose_products`], for these rows and lanes.
+pub(crate) unsafe fn transpose_part(
+    products: &[f32],
+    stride: usize,
+    rows: std::ops::Range<usize>,
+    lanes: std::ops::Range<usize>,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    for t in lanes {
+        for r in rows.clone() {
+            // SAFETY: the caller's promise.
+            unsafe { *out.add(t * out_stride + r) = products[r * stride + t] };
+        }
+    }
+}
+
 /// Unpacks `rows` packed integer rows of `cols` values into signed bytes, `blocks × BLOCK` per
 /// row (zero-padded; each block in [`block_order`]), and computes their [`GemmRows::bias`] (left
 /// empty by kernels that take signed activations). Returns the codes: INT8 rows of whole blocks

@@ -859,3 +859,58 @@ unsafe fn mmla_tile<const P: usize>(
         }
     }
 }
+
+/// [`gemm::transpose_products`] in 4 × 4 blocks: four rows of products loaded, transposed in
+/// registers (`trn1`/`trn2` on 32-bit, then on 64-bit elements) and stored as four rows of the
+/// output, the blocks of one group of four activation rows after another; the edges element
+/// by element.
+///
+/// # Safety
+/// As [`gemm::transpose_products`], whose assert holds.
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn transpose(
+    products: &[f32],
+    stride: usize,
+    rows: usize,
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let (whole_rows, whole_lanes) = (rows / 4 * 4, n / 4 * 4);
+    // SAFETY (every access): rows below `rows` of `stride ≥ n` floats lie in `products`, and
+    // `out` takes every `t × out_stride + r` for `t < n`, `r < rows` (the caller's promise).
+    unsafe {
+        for t in (0..whole_lanes).step_by(4) {
+            for r in (0..whole_rows).step_by(4) {
+                let v: [float32x4_t; 4] =
+                    std::array::from_fn(|k| vld1q_f32(products.as_ptr().add((r + k) * stride + t)));
+                // Lanes 0 and 2 (even), 1 and 3 (odd) of rows r, r + 1; then of r + 2, r + 3.
+                let even01 = vreinterpretq_f64_f32(vtrn1q_f32(v[0], v[1]));
+                let odd01 = vreinterpretq_f64_f32(vtrn2q_f32(v[0], v[1]));
+                let even23 = vreinterpretq_f64_f32(vtrn1q_f32(v[2], v[3]));
+                let odd23 = vreinterpretq_f64_f32(vtrn2q_f32(v[2], v[3]));
+                let lanes = [
+                    vtrn1q_f64(even01, even23),
+                    vtrn1q_f64(odd01, odd23),
+                    vtrn2q_f64(even01, even23),
+                    vtrn2q_f64(odd01, odd23),
+                ];
+                for (j, lane) in lanes.into_iter().enumerate() {
+                    vst1q_f32(
+                        out.add((t + j) * out_stride + r),
+                        vreinterpretq_f32_f64(lane),
+                    );
+                }
+            }
+        }
+        gemm::transpose_part(
+            products,
+            stride,
+            0..whole_rows,
+            whole_lanes..n,
+            out,
+            out_stride,
+        );
+        gemm::transpose_part(products, stride, whole_rows..rows, 0..n, out, out_stride);
+    }
+}
