@@ -34,7 +34,8 @@ steps are not timed one by one), against the engine's `--beams N` mean step
 other work on the machine hits both alike; the table gives the median over the rounds (encoder:
 median of 3 runs; decode: median of the rounds' median steps) and the best round. Speedups are
 transformers / engine, on the median step (`p50_ms`) and on the mean step (the engine's
-`decode_ms_per_token`).
+`decode_ms_per_token`). Last, each round's own encoder and p50 ratios and their median: the
+steadier figure when the machine's load moves from round to round.
 
 The checkpoint, the bundles, the document (as JSON lines) and the results
 (vs_transformers.json) are cached under --out (target/vs-tf, ignored by git); the SAMSum data is
@@ -307,6 +308,14 @@ def main():
             print(line)
     print("x = transformers / engine (higher: engine faster); p50 = median step, mean = mean step "
           "(the engine's decode_ms_per_token); '= tf': leading tokens equal to transformers' ids")
+    # On a shared machine the load moves within minutes: a round's two sides ran back to back, so
+    # the ratio within each round is steadier than a ratio of medians taken over all rounds.
+    print(f"\nratios within each round (transformers / engine), then their median:")
+    for (label, r), runs in zip(rows[1:], engine_runs):
+        for key, name in (("encode_ms", "encoder"), ("p50_ms", "dec p50")):
+            ratios = [t[key] / e[key] for t, e in zip(tf_runs, runs)]
+            print(f"{label:<32} {name:<8} " + " ".join(f"{x:.2f}" for x in ratios)
+                  + f"   median {statistics.median(ratios):.2f}")
     if any(r["resident"] is None for r in engine):
         print("* converted without --resident (" + ("this edgemoe convert has none" if not resident_ok else
               "refused for this width") + "): resident weights stay at the checkpoint's f32")
