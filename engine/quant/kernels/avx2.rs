@@ -1013,19 +1013,19 @@ unsafe fn int_panel<const R: usize, const SIGNED: bool>(
 /// [`gemm::transpose_products`] in 8 × 8 blocks: eight rows of products loaded, transposed in
 /// registers (unpack, shuffle, swap of 128-bit halves) and stored as eight rows of the output,
 /// the blocks of one group of eight activation rows after another, so that each output row is
-/// written in order; the edges element by element.
+/// written in order. Returns the weight rows and activation rows it took (whole blocks).
 ///
 /// # Safety
 /// The CPU has AVX2; as [`gemm::transpose_products`], whose assert holds.
 #[target_feature(enable = "avx2")]
-pub(crate) unsafe fn transpose(
+pub(crate) unsafe fn transpose_blocks(
     products: &[f32],
     stride: usize,
     rows: usize,
     n: usize,
     out: *mut f32,
     out_stride: usize,
-) {
+) -> (usize, usize) {
     let (whole_rows, whole_lanes) = (rows / 8 * 8, n / 8 * 8);
     // SAFETY (every access): rows below `rows` of `stride ≥ n` floats lie in `products`, and
     // `out` takes every `t × out_stride + r` for `t < n`, `r < rows` (the caller's promise).
@@ -1064,16 +1064,8 @@ pub(crate) unsafe fn transpose(
                 }
             }
         }
-        gemm::transpose_part(
-            products,
-            stride,
-            0..whole_rows,
-            whole_lanes..n,
-            out,
-            out_stride,
-        );
-        gemm::transpose_part(products, stride, whole_rows..rows, 0..n, out, out_stride);
     }
+    (whole_rows, whole_lanes)
 }
 
 /// [`INT_GEMM`]'s [`gemm::PrepareRows`] for rows of whole blocks (other shapes take the

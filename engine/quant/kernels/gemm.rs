@@ -289,18 +289,31 @@ pub(crate) unsafe fn transpose_products(
     out_stride: usize,
 ) {
     assert!(n <= stride && products.len() >= rows * stride);
+    // The rows and lanes the SIMD form took, in whole blocks from 0.
+    #[allow(unused_mut)]
+    let mut done = (0, 0);
     #[cfg(target_arch = "x86_64")]
     if super::avx2::supported() {
         // SAFETY: the CPU has AVX2; the rest is the caller's promise and the assert above.
-        return unsafe { super::avx2::transpose(products, stride, rows, n, out, out_stride) };
+        done = unsafe { super::avx2::transpose_blocks(products, stride, rows, n, out, out_stride) };
     }
     #[cfg(target_arch = "aarch64")]
-    // SAFETY: as above (NEON is always there on aarch64).
-    return unsafe { super::neon::transpose(products, stride, rows, n, out, out_stride) };
-    #[allow(unreachable_code)]
-    // SAFETY: as above.
+    {
+        // SAFETY: as above (NEON is always there on aarch64).
+        done = unsafe { super::neon::transpose_blocks(products, stride, rows, n, out, out_stride) };
+    }
+    let (whole_rows, whole_lanes) = done;
+    // SAFETY: as above, for the rows and lanes the blocks left.
     unsafe {
-        transpose_part(products, stride, 0..rows, 0..n, out, out_stride)
+        transpose_part(
+            products,
+            stride,
+            0..whole_rows,
+            whole_lanes..n,
+            out,
+            out_stride,
+        );
+        transpose_part(products, stride, whole_rows..rows, 0..n, out, out_stride);
     }
 }
 
@@ -309,7 +322,7 @@ pub(crate) unsafe fn transpose_products(
 ///
 /// # Safety
 /// As [`transpose_products`], for these rows and lanes.
-pub(crate) unsafe fn transpose_part(
+unsafe fn transpose_part(
     products: &[f32],
     stride: usize,
     rows: std::ops::Range<usize>,

@@ -862,20 +862,20 @@ unsafe fn mmla_tile<const P: usize>(
 
 /// [`gemm::transpose_products`] in 4 × 4 blocks: four rows of products loaded, transposed in
 /// registers (`trn1`/`trn2` on 32-bit, then on 64-bit elements) and stored as four rows of the
-/// output, the blocks of one group of four activation rows after another; the edges element
-/// by element.
+/// output, the blocks of one group of four activation rows after another. Returns the weight
+/// rows and activation rows it took (whole blocks).
 ///
 /// # Safety
 /// As [`gemm::transpose_products`], whose assert holds.
 #[target_feature(enable = "neon")]
-pub(crate) unsafe fn transpose(
+pub(crate) unsafe fn transpose_blocks(
     products: &[f32],
     stride: usize,
     rows: usize,
     n: usize,
     out: *mut f32,
     out_stride: usize,
-) {
+) -> (usize, usize) {
     let (whole_rows, whole_lanes) = (rows / 4 * 4, n / 4 * 4);
     // SAFETY (every access): rows below `rows` of `stride ≥ n` floats lie in `products`, and
     // `out` takes every `t × out_stride + r` for `t < n`, `r < rows` (the caller's promise).
@@ -903,14 +903,6 @@ pub(crate) unsafe fn transpose(
                 }
             }
         }
-        gemm::transpose_part(
-            products,
-            stride,
-            0..whole_rows,
-            whole_lanes..n,
-            out,
-            out_stride,
-        );
-        gemm::transpose_part(products, stride, whole_rows..rows, 0..n, out, out_stride);
     }
+    (whole_rows, whole_lanes)
 }
