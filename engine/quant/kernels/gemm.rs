@@ -290,18 +290,18 @@ pub(crate) unsafe fn transpose_products(
 ) {
     assert!(n <= stride && products.len() >= rows * stride);
     // The rows and lanes the SIMD form took, in whole blocks from 0.
-    #[allow(unused_mut)]
-    let mut done = (0, 0);
     #[cfg(target_arch = "x86_64")]
-    if super::avx2::supported() {
+    let done = if super::avx2::supported() {
         // SAFETY: the CPU has AVX2; the rest is the caller's promise and the assert above.
-        done = unsafe { super::avx2::transpose_blocks(products, stride, rows, n, out, out_stride) };
-    }
+        unsafe { super::avx2::transpose_blocks(products, stride, rows, n, out, out_stride) }
+    } else {
+        (0, 0)
+    };
+    // SAFETY: as above (NEON is always there on aarch64).
     #[cfg(target_arch = "aarch64")]
-    {
-        // SAFETY: as above (NEON is always there on aarch64).
-        done = unsafe { super::neon::transpose_blocks(products, stride, rows, n, out, out_stride) };
-    }
+    let done = unsafe { super::neon::transpose_blocks(products, stride, rows, n, out, out_stride) };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let done = (0, 0);
     let (whole_rows, whole_lanes) = done;
     // SAFETY: as above, for the rows and lanes the blocks left.
     unsafe {
