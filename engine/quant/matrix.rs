@@ -16,9 +16,9 @@
 //!   expanded. Otherwise (float formats, other CPUs), up to [`FLOAT_GEMM_MAX_ROWS`] activation
 //!   rows (an expert's share of a pass) take the float GEMM of [`kernels::float_gemm`] where the
 //!   CPU has one (AVX-512 or AVX2): one FMA chain per output, the weights widened a task of
-//!   rows at a time. More rows, or other CPUs: tiles of [`TILE_ROWS`] weight rows dequantized into a
-//!   small scratch and multiplied by libtorch's GEMM (f32 weights are used in place), which is
-//!   faster there (BENCHMARKS.md §9.18): MKL's packed GEMM on activations packed once where
+//!   rows at a time. More rows, or other CPUs: tiles of [`TILE_ROWS`] weight rows dequantized
+//!   into a small scratch and multiplied by libtorch's GEMM (f32 weights are used in place), which
+//!   is faster there (BENCHMARKS.md §9.18): MKL's packed GEMM on activations packed once where
 //!   libtorch links MKL ([`super::packed_gemm`], §9.25), libtorch's `mm` elsewhere.
 //!
 //! Both paths split their work over the compute threads of [`super::parallel`] (GEMV: tasks of

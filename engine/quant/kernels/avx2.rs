@@ -816,11 +816,9 @@ fn float_gemm_acts(x: &[f32], n: usize, cols: usize, acts: &mut FloatActs) {
 /// [`float_gemm::WriteSums`]: the sums transposed back into the product's rows.
 fn float_gemm_sums(sums: &[f32], rows: usize, lanes: usize, out: &mut [f32], stride: usize) {
     float_gemm::check_sums(sums, rows, lanes, out, stride);
-    for t in 0..lanes {
-        for (r, out) in out[t * stride..][..rows].iter_mut().enumerate() {
-            *out = sums[r * GROUP + t];
-        }
-    }
+    // SAFETY: `out` holds `lanes` rows of `stride ≥ rows` floats (checked above) and is
+    // borrowed mutably here.
+    unsafe { gemm::transpose_products(sums, GROUP, rows, lanes, out.as_mut_ptr(), stride) };
 }
 
 /// `R` (≤ 6) weight rows × the sixteen activation rows from `acts[0]` of a group: per column,
