@@ -21,7 +21,9 @@
 
 use tch::{Kind, Tensor};
 
-use super::layers::{gated_mlp, linear, linear_bias, repeat_kv, Linear, RmsNorm, Rotary, Weight};
+use super::layers::{
+    attention_by_heads, gated_mlp, linear, linear_bias, repeat_kv, Linear, RmsNorm, Rotary, Weight,
+};
 use super::moe::{moe_ffn, route_ahead, LayerRoute, Router, Routing};
 use crate::config::{DecoderFamily, DecoderSpec};
 use crate::error::{Error, Result};
@@ -575,19 +577,10 @@ impl DecoderOnlyModel {
         let rep = heads / kv_heads;
         let keys_h = repeat_kv(&keys, rep)?; // [1, H, total, hd]
         let values_h = repeat_kv(&values, rep)?;
-        // attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
-        let mut scores = q
-            .f_matmul(&keys_h.f_transpose(2, 3)?)?
-            .f_mul_scalar((hd as f64).powf(-0.5))?; // [1, H, n, total]
-        if let Some(mask) = attention_mask(n, past, a.window)? {
-            scores = scores.f_add(&mask)?;
-        }
-        let weights = scores.f_softmax(-1, Kind::Float)?;
-        let out = weights
-            .f_matmul(&values_h)? // [1, H, n, hd]
-            .f_transpose(1, 2)?
-            .f_contiguous()?
-            .f_reshape([1, n, heads * hd])?;
+        // attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling, + mask
+        let mask = attention_mask(n, past, a.window)?; // [1, 1, n, total]
+        let scaling = (hd as f64).powf(-0.5);
+        let out = attention_by_heads(&q, &keys_h, &values_h, Some(scaling), mask.as_ref())?;
         linear_bias(&out, &a.o, a.o_bias.as_ref())
     }
 }
