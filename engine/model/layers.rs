@@ -411,9 +411,15 @@ fn attend_head_groups(
         .map(|g| {
             let (first, end) = group_heads(g);
             let part = |t: &Tensor| t.f_narrow(1, first, end - first);
+            // The bias's head dimension, aligned from the right as broadcasting does; one of
+            // size 1 (or none) is the same for every head.
             let bias = match bias {
-                Some(bias) if bias.size()[1] == 1 => Some(bias.shallow_clone()),
-                Some(bias) => Some(part(bias)?),
+                Some(bias) => match bias.dim().checked_sub(3).map(|d| d as i64) {
+                    Some(d) if bias.size()[d as usize] != 1 => {
+                        Some(bias.f_narrow(d, first, end - first)?)
+                    }
+                    _ => Some(bias.shallow_clone()),
+                },
                 None => None,
             };
             Ok(Mutex::new(Some((
@@ -862,8 +868,9 @@ mod tests {
     }
 
     /// Heads attended in groups, on this thread or over two compute threads, give the bits of
-    /// the whole batch attended at once: with a per-head bias and with a mask the heads share,
-    /// scaled and not, for uneven groups, two sequences, and more keys than queries.
+    /// the whole batch attended at once: with a per-head bias (4-D, and 3-D as broadcasting
+    /// aligns it) and with a mask the heads share, scaled and not, for uneven groups, two
+    /// sequences, and more keys than queries.
     #[test]
     fn attention_by_heads_gives_the_whole_batchs_values() {
         crate::quant::parallel::set_compute_threads(2);
@@ -884,8 +891,10 @@ mod tests {
             n * k * heads >= MIN_SPLIT_SCORES,
             "the split path is the one tested"
         );
+        let per_head_3d = per_head.view([heads, n, k]);
         for (scale, bias) in [
             (None, Some(&per_head)),
+            (None, Some(&per_head_3d)),
             (Some(0.25), Some(&mask)),
             (Some(0.25), None),
         ] {
