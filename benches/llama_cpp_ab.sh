@@ -21,36 +21,31 @@ gguf="$1" bundle="$2" threads="$3" rounds="$4"
 shift 4
 llama="$root/target/llama.cpp/build/bin/llama-bench"
 depth="${DEPTH:-0}"
-pp="${PP:-0}"
-if [ "$pp" = 1 ]; then
+# Per mode: llama-bench's arguments, the prompt, the engine's new tokens, and how each side's
+# figure is read (llama-bench JSON on stdin; the engine's --stats-json as `s`).
+if [ "${PP:-0}" = 1 ]; then
+  llama_args=(-p 512 -n 0)
   ids="$("$root/.venv/bin/python" "$root/benches/llama_cpp_table.py" ids 512 2)"
+  new_tokens=1 unit=" t/s"
+  llama_figure="round(json.load(sys.stdin)[0]['avg_ts'], 1)"
+  engine_figure="round(512000 / s['encode_ms'], 1)"
 else
+  llama_args=(-p 0 -n 32 -d "$depth")
   ids="$("$root/.venv/bin/python" "$root/benches/llama_cpp_table.py" ids "$([ "$depth" -gt 0 ] && echo "$depth" || echo 8)" 1)"
+  new_tokens=32 unit=""
+  llama_figure="round(1000 / json.load(sys.stdin)[0]['avg_ts'], 2)"
+  engine_figure="round(s['decode_ms_per_token'], 2)"
 fi
 stats="$(mktemp)"
 trap 'rm -f "$stats"' EXIT
 for r in $(seq 1 "$rounds"); do
-  if [ "$pp" = 1 ]; then
-    l="$("$llama" -m "$gguf" -p 512 -n 0 -t "$threads" -r 1 -o json 2>/dev/null \
-      | python3 -c "import json,sys; print(round(json.load(sys.stdin)[0]['avg_ts'], 1))")"
-    line="round $r: llama.cpp $l t/s"
-    for bin in "$@"; do
-      "$bin" generate --model "$bundle" --prompt-ids "$ids" --max-new-tokens 1 --mode io-free \
-        --threads "$threads" --ids -q --stats-json "$stats" > /dev/null
-      e="$(python3 -c "import json; print(round(512000 / json.load(open('$stats'))['encode_ms'], 1))")"
-      line="$line | $bin $e ($(python3 -c "print(f'{$e / $l:.3f}')")x)"
-    done
-    echo "$line"
-    set -- "${@:2}" "$1"
-    continue
-  fi
-  l="$("$llama" -m "$gguf" -p 0 -n 32 -d "$depth" -t "$threads" -r 1 -o json 2>/dev/null \
-    | python3 -c "import json,sys; print(round(1000 / json.load(sys.stdin)[0]['avg_ts'], 2))")"
-  line="round $r: llama.cpp $l"
+  l="$("$llama" -m "$gguf" "${llama_args[@]}" -t "$threads" -r 1 -o json 2>/dev/null \
+    | python3 -c "import json,sys; print($llama_figure)")"
+  line="round $r: llama.cpp $l$unit"
   for bin in "$@"; do
-    "$bin" generate --model "$bundle" --prompt-ids "$ids" --max-new-tokens 32 --mode io-free \
-      --threads "$threads" --ids -q --stats-json "$stats" > /dev/null
-    e="$(python3 -c "import json; print(round(json.load(open('$stats'))['decode_ms_per_token'], 2))")"
+    "$bin" generate --model "$bundle" --prompt-ids "$ids" --max-new-tokens "$new_tokens" \
+      --mode io-free --threads "$threads" --ids -q --stats-json "$stats" > /dev/null
+    e="$(python3 -c "import json; s = json.load(open('$stats')); print($engine_figure)")"
     line="$line | $bin $e ($(python3 -c "print(f'{$e / $l:.3f}')")x)"
   done
   echo "$line"

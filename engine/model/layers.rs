@@ -406,22 +406,19 @@ fn attend_head_groups(
     }
     // Tensors are `Send` but not `Sync`: each group's views are handed to its task through a
     // mutex, and its output comes back the same way.
-    let group_heads = |g: i64| (heads * g / groups, heads * (g + 1) / groups);
     let inputs = (0..groups)
         .map(|g| {
-            let (first, end) = group_heads(g);
-            let part = |t: &Tensor| t.f_narrow(1, first, end - first);
-            // The bias's head dimension, aligned from the right as broadcasting does; one of
-            // size 1 (or none) is the same for every head.
-            let bias = match bias {
-                Some(bias) => match bias.dim().checked_sub(3).map(|d| d as i64) {
-                    Some(d) if bias.size()[d as usize] != 1 => {
-                        Some(bias.f_narrow(d, first, end - first)?)
-                    }
-                    _ => Some(bias.shallow_clone()),
-                },
-                None => None,
+            let (first, end) = (heads * g / groups, heads * (g + 1) / groups);
+            // Heads `first..end` of a tensor, its head dimension aligned from the right as
+            // broadcasting does (`[b, H, n, ·]`, or a bias of 3 dimensions); one of size 1, or
+            // none, is the same for every head.
+            let part = |t: &Tensor| -> Result<Tensor> {
+                Ok(match t.dim().checked_sub(3) {
+                    Some(d) if t.size()[d] != 1 => t.f_narrow(d as i64, first, end - first)?,
+                    _ => t.shallow_clone(),
+                })
             };
+            let bias = bias.map(part).transpose()?;
             Ok(Mutex::new(Some((
                 part(query)?,
                 part(keys)?,
