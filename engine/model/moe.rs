@@ -14,14 +14,17 @@
 //!
 //! A [`LayerRoute`] records k experts per token (router order: highest weight first).
 
-use tch::{Kind, Tensor};
+use std::sync::Mutex;
 
-use super::layers::{dense_act_dense, gated_mlp, linear_bias, Linear};
+use tch::{Device, Kind, Tensor};
+
+use super::layers::{dense_act_dense, f32_values, gated_mlp, linear_bias, Linear};
 use crate::error::Result;
 use crate::ids::ExpertId;
 use crate::ids::Stack;
 use crate::model::provider::{ExpertProvider, ExpertWeights};
 use crate::quant::matrix::{matmul, MatrixRef};
+use crate::quant::parallel;
 
 /// A block's router: `[num_experts, d_model]` (+ optional bias).
 pub struct Router {
@@ -108,6 +111,166 @@ fn expert_forward_token(x: &[f32], w: &ExpertWeights) -> Result<Option<Vec<f32>>
             product(down, &hidden)?
         }
     }))
+}
+
+/// Rows of the MoE layer's own loops per compute-thread task (gathering, SiLU × up, scaling and
+/// adding): enough that a task is worth a handoff, few enough that 64-row experts split.
+const ROWS_PER_TASK: usize = 16;
+
+/// One layer call's working rows for [`RowsScratch::expert_forward`], reused from expert to
+/// expert.
+#[derive(Default)]
+struct RowsScratch {
+    /// The expert's tokens, gathered: `[t_e, d]`.
+    selected: Vec<f32>,
+    /// The first product (`wi`, or `gate` then SiLU × up): `[t_e, d_ff]`.
+    hidden: Vec<f32>,
+    /// `up`'s product: `[t_e, d_ff]`.
+    up: Vec<f32>,
+    /// The expert's output: `[t_e, d]`.
+    output: Vec<f32>,
+}
+
+impl RowsScratch {
+    /// One expert's FFN on the tokens `rows` of `values` `[t, d]` (f32 on the CPU): its output
+    /// `[rows, d]`, the same values as [`expert_forward`] on those rows gathered (the same
+    /// products; ReLU as a comparison; SiLU × up by libtorch's own ops, a task's rows at a time).
+    fn expert_forward(
+        &mut self,
+        values: &[f32],
+        d: usize,
+        rows: &[i64],
+        w: &ExpertWeights,
+    ) -> Result<&[f32]> {
+        let n = rows.len();
+        let selected = grown(&mut self.selected, n * d);
+        gather_rows(values, d, rows, selected);
+        let matrices = match w {
+            ExpertWeights::Relu { wi, wo } => match (wi.cpu_matrix()?, wo.cpu_matrix()?) {
+                (Some(wi), Some(wo)) => Some((wi, None, wo)),
+                _ => None,
+            },
+            ExpertWeights::SwiGlu { gate, up, down } => {
+                match (gate.cpu_matrix()?, up.cpu_matrix()?, down.cpu_matrix()?) {
+                    (Some(gate), Some(up), Some(down)) => Some((gate, Some(up), down)),
+                    _ => None,
+                }
+            }
+        };
+        let Some((first, up, last)) = matrices else {
+            // A matrix the kernels cannot take where it is: libtorch computes this expert.
+            let selected = Tensor::f_from_slice(selected)?.f_reshape([n as i64, -1])?;
+            let y = Vec::<f32>::try_from(&expert_forward(&selected, w)?.f_reshape([-1])?)?;
+            let output = grown(&mut self.output, y.len());
+            output.copy_from_slice(&y);
+            return Ok(output);
+        };
+        let hidden = grown(&mut self.hidden, n * first.rows());
+        matmul(selected, n, first, hidden)?;
+        match up {
+            None => hidden.iter_mut().for_each(|h| {
+                if *h < 0.0 {
+                    *h = 0.0
+                }
+            }),
+            Some(up) => {
+                let up_values = grown(&mut self.up, n * up.rows());
+                matmul(selected, n, up, up_values)?;
+                silu_times(hidden, up_values, first.rows())?;
+            }
+        }
+        let output = grown(&mut self.output, n * last.rows());
+        matmul(hidden, n, last, output)?;
+        Ok(output)
+    }
+}
+
+/// The first `len` values of `buffer`, grown to hold them but never cleared: every caller
+/// overwrites all `len` values, so what an earlier expert left needs no zeroing.
+fn grown(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+    &mut buffer[..len]
+}
+
+/// Rows `rows` of `values` `[t, d]` into `selected` `[rows, d]`, a task's rows per thread.
+fn gather_rows(values: &[f32], d: usize, rows: &[i64], selected: &mut [f32]) {
+    let chunks: Vec<Mutex<&mut [f32]>> = selected
+        .chunks_mut(ROWS_PER_TASK * d)
+        .map(Mutex::new)
+        .collect();
+    parallel::for_each_task(chunks.len(), &|t| {
+        let mut chunk = chunks[t].lock().unwrap_or_else(|e| e.into_inner());
+        let tokens = &rows[t * ROWS_PER_TASK..];
+        for (row, &token) in chunk.chunks_exact_mut(d).zip(tokens) {
+            let token = token as usize;
+            row.copy_from_slice(&values[token * d..(token + 1) * d]);
+        }
+    });
+}
+
+/// `hidden = silu(hidden) * up` over rows of `width` values, by libtorch's in-place `silu_`
+/// and `mul_` (so the roundings of its vectorised `exp` are kept), a task's rows per thread.
+fn silu_times(hidden: &mut [f32], up: &[f32], width: usize) -> Result<()> {
+    let chunks: Vec<Mutex<(&mut [f32], &[f32])>> = hidden
+        .chunks_mut(ROWS_PER_TASK * width)
+        .zip(up.chunks(ROWS_PER_TASK * width))
+        .map(Mutex::new)
+        .collect();
+    parallel::try_for_each_task(chunks.len(), &|t| {
+        let mut chunk = chunks[t].lock().unwrap_or_else(|e| e.into_inner());
+        let (hidden, up) = &mut *chunk;
+        let len = [hidden.len() as i64];
+        // SAFETY: views of this task's own chunks, alive (and otherwise untouched) until the
+        // ops below return; `hidden`'s view is the only one written.
+        let (mut h, u) = unsafe {
+            (
+                Tensor::f_from_blob(
+                    hidden.as_mut_ptr() as *const u8,
+                    &len,
+                    &[],
+                    Kind::Float,
+                    Device::Cpu,
+                )?,
+                Tensor::f_from_blob(
+                    up.as_ptr() as *const u8,
+                    &len,
+                    &[],
+                    Kind::Float,
+                    Device::Cpu,
+                )?,
+            )
+        };
+        let _ = h.f_silu_()?.f_mul_(&u)?;
+        Ok(())
+    })
+}
+
+/// `out[rows[i]] += y[i] · scales[i]` for every row `i` of `y` `[rows, d]`: each product
+/// rounded, then added, as `index_add_` of the scaled rows does (an expert's rows are distinct
+/// tokens, so tasks never share an output row).
+fn add_scaled_rows(
+    out_rows: &[Mutex<&mut [f32]>],
+    rows: &[i64],
+    scales: &[f32],
+    y: &[f32],
+    d: usize,
+) {
+    let tasks = rows.len().div_ceil(ROWS_PER_TASK);
+    parallel::for_each_task(tasks, &|t| {
+        let first = t * ROWS_PER_TASK;
+        let last = (first + ROWS_PER_TASK).min(rows.len());
+        for i in first..last {
+            let mut out = out_rows[rows[i] as usize]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let scale = scales[i];
+            for (o, &v) in out.iter_mut().zip(&y[i * d..(i + 1) * d]) {
+                *o += v * scale;
+            }
+        }
+    });
 }
 
 /// One expert's FFN on `x` `[t, d]`.
@@ -234,6 +397,27 @@ pub fn moe_ffn(
             }
         }
         Tensor::f_from_slice(&out)?
+    } else if let (tch::Device::Cpu, Some(values)) = (x.device(), f32_values(&tokens)) {
+        // Many tokens on the CPU: the same products, with the layer's own work (gathering each
+        // expert's rows, SiLU × up, scaling and adding) spread over the compute threads.
+        let scales = Vec::<f32>::try_from(&weights.f_to_kind(Kind::Float)?)?;
+        let d = d as usize;
+        let mut out = vec![0f32; values.len()];
+        let out_rows: Vec<Mutex<&mut [f32]>> = out.chunks_mut(d).map(Mutex::new).collect();
+        let mut scratch = RowsScratch::default();
+        for (i, &expert) in used.iter().enumerate() {
+            let next = used.get(i + 1).map(|&e| expert_id(e));
+            let w = provider.expert(expert_id(expert), next)?;
+            let rows = &tokens_of[expert];
+            let y = scratch.expert_forward(values, d, rows, &w)?;
+            let scales: Vec<f32> = slots_of[expert]
+                .iter()
+                .map(|&s| scales[s as usize])
+                .collect();
+            add_scaled_rows(&out_rows, rows, &scales, y, d);
+        }
+        drop(out_rows);
+        Tensor::f_from_slice(&out)?
     } else {
         let mut out = tokens.f_zeros_like()?;
         for (i, &expert) in used.iter().enumerate() {
@@ -261,4 +445,184 @@ pub fn moe_ffn(
         dropped,
     });
     Ok(out.f_reshape([b, n, d])?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layers::Weight;
+    use crate::quant::matrix::{MatrixFormat, PackedMatrix};
+    use crate::quant::QuantBits;
+
+    /// Experts held in memory: `wi`, `wo` each (ReLU) or `gate`, `up`, `down` (SwiGLU).
+    struct HeldExperts {
+        matrices: Vec<Vec<PackedMatrix>>,
+        relu: bool,
+    }
+
+    impl HeldExperts {
+        fn random(experts: usize, d: usize, d_ff: usize, relu: bool, format: MatrixFormat) -> Self {
+            let shapes: &[(usize, usize)] = if relu {
+                &[(d_ff, d), (d, d_ff)]
+            } else {
+                &[(d_ff, d), (d_ff, d), (d, d_ff)]
+            };
+            let matrices = (0..experts)
+                .map(|_| {
+                    shapes
+                        .iter()
+                        .map(|&(rows, cols)| {
+                            let w =
+                                Tensor::randn([(rows * cols) as i64], (Kind::Float, Device::Cpu))
+                                    .f_mul_scalar(0.2)
+                                    .unwrap();
+                            let w = Vec::<f32>::try_from(&w).unwrap();
+                            PackedMatrix::encode(&w, rows, cols, format).unwrap()
+                        })
+                        .collect()
+                })
+                .collect();
+            HeldExperts { matrices, relu }
+        }
+    }
+
+    impl ExpertProvider for HeldExperts {
+        fn expert(&mut self, id: ExpertId, _next: Option<ExpertId>) -> Result<ExpertWeights<'_>> {
+            let m = &self.matrices[id.expert as usize];
+            let w = |i: usize| Weight::Stored(m[i].view());
+            Ok(if self.relu {
+                ExpertWeights::Relu { wi: w(0), wo: w(1) }
+            } else {
+                ExpertWeights::SwiGlu {
+                    gate: w(0),
+                    up: w(1),
+                    down: w(2),
+                }
+            })
+        }
+    }
+
+    /// HF's loop, in libtorch's ops: for each expert in ascending order, its tokens gathered,
+    /// its FFN, scaled by the routing weights and `index_add_`ed into zeros.
+    fn index_add_reference(
+        x: &Tensor,
+        router: &Router,
+        routing: Routing,
+        dropped: &[bool],
+        provider: &mut HeldExperts,
+    ) -> Tensor {
+        let d = x.size()[2];
+        let tokens = x.reshape([-1, d]);
+        let (chosen, weights) = route(&tokens, router, routing).unwrap();
+        let chosen = Vec::<i64>::try_from(&chosen).unwrap();
+        let k = routing.k();
+        let mut out = tokens.zeros_like();
+        for expert in 0..provider.matrices.len() as i64 {
+            let slots: Vec<i64> = (0..chosen.len() as i64)
+                .filter(|&s| chosen[s as usize] == expert && !dropped[s as usize / k])
+                .collect();
+            if slots.is_empty() {
+                continue;
+            }
+            let token_ids: Vec<i64> = slots.iter().map(|&s| s / k as i64).collect();
+            let idx = Tensor::from_slice(&token_ids);
+            let id = ExpertId {
+                stack: Stack::Decoder,
+                layer: 0,
+                expert: expert as u16,
+            };
+            let w = provider.expert(id, None).unwrap();
+            let y = expert_forward(&tokens.index_select(0, &idx), &w).unwrap();
+            let scale = weights.index_select(0, &Tensor::from_slice(&slots));
+            let _ = out.index_add_(0, &idx, &(y * scale.unsqueeze(-1)));
+        }
+        out.reshape(x.size())
+    }
+
+    /// Many tokens on the CPU (the rows path, its loops over two compute threads) give the bits
+    /// of HF's `index_add_` loop in libtorch: SwiGLU top-2 and ReLU top-1 with tokens over
+    /// capacity, f32, f16 and INT4 experts, experts of more rows than one task.
+    #[test]
+    fn many_tokens_give_the_index_add_loops_values() {
+        crate::quant::parallel::set_compute_threads(2);
+        tch::manual_seed(11);
+        let (experts, d, d_ff) = (6, 64, 128);
+        let cases = [
+            (
+                false,
+                Routing::TopK {
+                    k: 2,
+                    normalize: true,
+                },
+                MatrixFormat::F32,
+            ),
+            (
+                false,
+                Routing::TopK {
+                    k: 2,
+                    normalize: false,
+                },
+                MatrixFormat::F16,
+            ),
+            (
+                false,
+                Routing::TopK {
+                    k: 3,
+                    normalize: true,
+                },
+                MatrixFormat::Quant(QuantBits::Int4),
+            ),
+            (true, Routing::Top1 { capacity: 10 }, MatrixFormat::F32),
+            (
+                true,
+                Routing::Top1 { capacity: 40 },
+                MatrixFormat::Quant(QuantBits::Int8),
+            ),
+        ];
+        for (relu, routing, format) in cases {
+            let mut provider = HeldExperts::random(experts, d, d_ff, relu, format);
+            let router = Router {
+                weight: Weight::Tensor(Tensor::randn(
+                    [experts as i64, d as i64],
+                    (Kind::Float, Device::Cpu),
+                )),
+                bias: None,
+            };
+            let x = Tensor::randn([2, 45, d as i64], (Kind::Float, Device::Cpu));
+            let mut routes = Vec::new();
+            let out = moe_ffn(
+                &x,
+                &router,
+                routing,
+                Stack::Decoder,
+                0,
+                &mut provider,
+                &mut routes,
+            )
+            .unwrap();
+            let route = &routes[0];
+            let busiest = (0..experts as u16)
+                .map(|e| {
+                    let kept =
+                        |t: &usize| !route.dropped[*t] && route.token_experts(*t).contains(&e);
+                    (0..route.tokens()).filter(kept).count()
+                })
+                .max()
+                .unwrap();
+            assert!(
+                busiest > ROWS_PER_TASK,
+                "{routing:?}: {busiest} rows at most"
+            );
+            if let Routing::Top1 { capacity: 10 } = routing {
+                assert!(route.dropped.iter().any(|&d| d), "no token over capacity");
+            }
+            let reference =
+                index_add_reference(&x, &router, routing, &route.dropped, &mut provider);
+            assert!(
+                out.equal(&reference),
+                "{routing:?} {format:?}: largest difference {}",
+                (out - reference).abs().max().double_value(&[])
+            );
+        }
+    }
 }

@@ -590,7 +590,7 @@ pub(crate) fn gemm_float(
         let tasks = rows.div_ceil(FLOAT_TASK_ROWS);
         // An address, not a reference: each task writes its own columns.
         let out_at = out.as_mut_ptr() as usize;
-        try_for_each_task(tasks, &|t| {
+        parallel::try_for_each_task(tasks, &|t| {
             let (start, end) = (t * FLOAT_TASK_ROWS, ((t + 1) * FLOAT_TASK_ROWS).min(rows));
             let height = end - start;
             let run = |scratch: &mut FloatScratch| -> Result<()> {
@@ -666,21 +666,6 @@ fn f32_rows_in_place<'a>(w: &MatrixRef<'a>, start: usize, end: usize) -> Option<
     let bytes = &w.data[start * w.cols * 4..end * w.cols * 4];
     // SAFETY: 4-byte aligned (checked above), whole f32 values.
     Some(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 4) })
-}
-
-/// Runs `task` for every index below `tasks` on the compute threads
-/// ([`parallel::for_each_task`]) and, once all have run, returns an error one of them gave.
-fn try_for_each_task(tasks: usize, task: &(dyn Fn(usize) -> Result<()> + Sync)) -> Result<()> {
-    let failure = Mutex::new(None);
-    parallel::for_each_task(tasks, &|t| {
-        if let Err(e) = task(t) {
-            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-        }
-    });
-    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
 }
 
 /// A compute thread's float GEMM task: its rows widened, the sums of every group of activation
@@ -893,7 +878,7 @@ fn gemm_tiles(
     let tasks = rows.div_ceil(tile_rows);
     // Addresses, not references: the tasks build their own tensor views from them.
     let (x_at, out_at) = (x.as_ptr() as usize, out.as_mut_ptr() as usize);
-    try_for_each_task(tasks, &|t| {
+    parallel::try_for_each_task(tasks, &|t| {
         let (start, end) = (t * tile_rows, ((t + 1) * tile_rows).min(rows));
         // SAFETY: `x` and `out` outlive every task (for_each_task returns after all of them),
         // their lengths were checked against the shapes, and task `t` writes only columns

@@ -66,6 +66,24 @@ pub fn for_each_task(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// [`for_each_task`] for tasks that can fail: runs every task, then returns an error one of
+/// them gave.
+pub fn try_for_each_task(
+    tasks: usize,
+    task: &(dyn Fn(usize) -> crate::error::Result<()> + Sync),
+) -> crate::error::Result<()> {
+    let failure = Mutex::new(None);
+    for_each_task(tasks, &|t| {
+        if let Err(e) = task(t) {
+            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        }
+    });
+    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// One product: its tasks, split into one run of consecutive tasks per compute thread, and the
 /// first panic.
 ///
