@@ -117,6 +117,10 @@ fn expert_forward_token(x: &[f32], w: &ExpertWeights) -> Result<Option<Vec<f32>>
 /// adding): enough that a task is worth a handoff, few enough that 64-row experts split.
 const ROWS_PER_TASK: usize = 16;
 
+/// What the parts of [`silu_times`] start at a multiple of: libtorch's widest loop step (two
+/// 512-bit vectors of f32 is 32 values), with room.
+const SILU_ALIGN: usize = 64;
+
 /// One layer call's working rows for [`RowsScratch::expert_forward`], reused from expert to
 /// expert.
 #[derive(Default)]
@@ -211,11 +215,20 @@ fn gather_rows(values: &[f32], d: usize, rows: &[i64], selected: &mut [f32]) {
 }
 
 /// `hidden = silu(hidden) * up` over rows of `width` values, by libtorch's in-place `silu_`
-/// and `mul_` (so the roundings of its vectorised `exp` are kept), a task's rows per thread.
+/// and `mul_` (so the roundings of its vectorised `exp` are kept), in one part per compute
+/// thread.
+///
+/// libtorch computes the last values of a tensor that do not fill its loop's step (two vectors)
+/// with the scalar formula instead, so the parts start at multiples of [`SILU_ALIGN`] values:
+/// then only the last part has such a tail, the same values as the whole tensor's.
 fn silu_times(hidden: &mut [f32], up: &[f32], width: usize) -> Result<()> {
+    let parts = parallel::compute_threads()
+        .min(hidden.len().div_ceil(ROWS_PER_TASK * width))
+        .max(1);
+    let part_len = hidden.len().div_ceil(parts).next_multiple_of(SILU_ALIGN);
     let chunks: Vec<Mutex<(&mut [f32], &[f32])>> = hidden
-        .chunks_mut(ROWS_PER_TASK * width)
-        .zip(up.chunks(ROWS_PER_TASK * width))
+        .chunks_mut(part_len)
+        .zip(up.chunks(part_len))
         .map(Mutex::new)
         .collect();
     parallel::try_for_each_task(chunks.len(), &|t| {
@@ -546,40 +559,24 @@ mod tests {
     fn many_tokens_give_the_index_add_loops_values() {
         crate::quant::parallel::set_compute_threads(2);
         tch::manual_seed(11);
-        let (experts, d, d_ff) = (6, 64, 128);
+        let (experts, d) = (6, 64);
+        let top = |k, normalize| Routing::TopK { k, normalize };
+        let int = |bits| MatrixFormat::Quant(bits);
+        // (ReLU, routing, format, d_ff): an odd d_ff leaves libtorch's SiLU a scalar tail.
         let cases = [
-            (
-                false,
-                Routing::TopK {
-                    k: 2,
-                    normalize: true,
-                },
-                MatrixFormat::F32,
-            ),
-            (
-                false,
-                Routing::TopK {
-                    k: 2,
-                    normalize: false,
-                },
-                MatrixFormat::F16,
-            ),
-            (
-                false,
-                Routing::TopK {
-                    k: 3,
-                    normalize: true,
-                },
-                MatrixFormat::Quant(QuantBits::Int4),
-            ),
-            (true, Routing::Top1 { capacity: 10 }, MatrixFormat::F32),
+            (false, top(2, true), MatrixFormat::F32, 128),
+            (false, top(2, true), MatrixFormat::F32, 99),
+            (false, top(2, false), MatrixFormat::F16, 128),
+            (false, top(3, true), int(QuantBits::Int4), 128),
+            (true, Routing::Top1 { capacity: 10 }, MatrixFormat::F32, 128),
             (
                 true,
                 Routing::Top1 { capacity: 40 },
-                MatrixFormat::Quant(QuantBits::Int8),
+                int(QuantBits::Int8),
+                128,
             ),
         ];
-        for (relu, routing, format) in cases {
+        for (relu, routing, format, d_ff) in cases {
             let mut provider = HeldExperts::random(experts, d, d_ff, relu, format);
             let router = Router {
                 weight: Weight::Tensor(Tensor::randn(
