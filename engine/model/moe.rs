@@ -88,29 +88,55 @@ fn expert_forward_token(x: &[f32], w: &ExpertWeights) -> Result<Option<Vec<f32>>
         matmul(x, 1, m, &mut y)?;
         Ok(y)
     };
-    Ok(Some(match w {
-        ExpertWeights::Relu { wi, wo } => {
-            let (Some(wi), Some(wo)) = (wi.cpu_matrix()?, wo.cpu_matrix()?) else {
-                return Ok(None);
-            };
-            let mut hidden = product(wi, x)?;
-            hidden.iter_mut().for_each(|h| *h = h.max(0.0));
-            product(wo, &hidden)?
-        }
-        ExpertWeights::SwiGlu { gate, up, down } => {
-            let (Some(gate), Some(up), Some(down)) =
-                (gate.cpu_matrix()?, up.cpu_matrix()?, down.cpu_matrix()?)
-            else {
-                return Ok(None);
-            };
-            let mut hidden = product(gate, x)?;
-            let up = product(up, x)?;
-            for (h, u) in hidden.iter_mut().zip(up) {
+    let Some(KernelMatrices { first, up, last }) = KernelMatrices::of(w)? else {
+        return Ok(None);
+    };
+    let mut hidden = product(first, x)?;
+    match up {
+        None => hidden.iter_mut().for_each(|h| *h = h.max(0.0)),
+        Some(up) => {
+            for (h, u) in hidden.iter_mut().zip(product(up, x)?) {
                 *h = *h / (1.0 + (-*h).exp()) * u;
             }
-            product(down, &hidden)?
         }
-    }))
+    }
+    Ok(Some(product(last, &hidden)?))
+}
+
+/// An expert's matrices as the engine's kernels take them (on the CPU).
+struct KernelMatrices<'w> {
+    /// `wi` (ReLU) or `gate` (SwiGLU).
+    first: MatrixRef<'w>,
+    /// SwiGLU's `up`.
+    up: Option<MatrixRef<'w>>,
+    /// `wo` or `down`.
+    last: MatrixRef<'w>,
+}
+
+impl<'w> KernelMatrices<'w> {
+    /// `None` when a matrix is not on the CPU.
+    fn of(w: &'w ExpertWeights) -> Result<Option<Self>> {
+        Ok(match w {
+            ExpertWeights::Relu { wi, wo } => match (wi.cpu_matrix()?, wo.cpu_matrix()?) {
+                (Some(first), Some(last)) => Some(KernelMatrices {
+                    first,
+                    up: None,
+                    last,
+                }),
+                _ => None,
+            },
+            ExpertWeights::SwiGlu { gate, up, down } => {
+                match (gate.cpu_matrix()?, up.cpu_matrix()?, down.cpu_matrix()?) {
+                    (Some(first), Some(up), Some(last)) => Some(KernelMatrices {
+                        first,
+                        up: Some(up),
+                        last,
+                    }),
+                    _ => None,
+                }
+            }
+        })
+    }
 }
 
 /// Rows of the MoE layer's own loops per compute-thread task (gathering, SiLU × up, scaling and
@@ -138,7 +164,7 @@ struct RowsScratch {
 impl RowsScratch {
     /// One expert's FFN on the tokens `rows` of `values` `[t, d]` (f32 on the CPU): its output
     /// `[rows, d]`, the same values as [`expert_forward`] on those rows gathered (the same
-    /// products; ReLU as a comparison; SiLU × up by libtorch's own ops, a task's rows at a time).
+    /// products; ReLU as a comparison; SiLU × up by libtorch's own ops, see [`silu_times`]).
     fn expert_forward(
         &mut self,
         values: &[f32],
@@ -149,19 +175,7 @@ impl RowsScratch {
         let n = rows.len();
         let selected = grown(&mut self.selected, n * d);
         gather_rows(values, d, rows, selected);
-        let matrices = match w {
-            ExpertWeights::Relu { wi, wo } => match (wi.cpu_matrix()?, wo.cpu_matrix()?) {
-                (Some(wi), Some(wo)) => Some((wi, None, wo)),
-                _ => None,
-            },
-            ExpertWeights::SwiGlu { gate, up, down } => {
-                match (gate.cpu_matrix()?, up.cpu_matrix()?, down.cpu_matrix()?) {
-                    (Some(gate), Some(up), Some(down)) => Some((gate, Some(up), down)),
-                    _ => None,
-                }
-            }
-        };
-        let Some((first, up, last)) = matrices else {
+        let Some(KernelMatrices { first, up, last }) = KernelMatrices::of(w)? else {
             // A matrix the kernels cannot take where it is: libtorch computes this expert.
             let selected = Tensor::f_from_slice(selected)?.f_reshape([n as i64, -1])?;
             let y = Vec::<f32>::try_from(&expert_forward(&selected, w)?.f_reshape([-1])?)?;
