@@ -12,6 +12,11 @@
 //!   optionally renormalised to sum to 1; each expert's output is scaled by its weight and the
 //!   k outputs are summed in ascending expert order, as HF's `index_add_` loop does.
 //!
+//! Where the experts compute: one token on the CPU (a decode step) in plain loops around the
+//! engine's kernels; many tokens on the CPU (an encoder pass, a prompt) through reused row
+//! buffers, the layer's own loops spread over the compute threads; anything else (a GPU) in
+//! libtorch's ops. All three add the experts' outputs in the same order and roundings.
+//!
 //! A [`LayerRoute`] records k experts per token (router order: highest weight first).
 
 use std::sync::Mutex;
