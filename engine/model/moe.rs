@@ -279,12 +279,13 @@ fn silu_times(hidden: &mut [f32], up: &[f32], width: usize) -> Result<()> {
     })
 }
 
-/// `out[rows[i]] += y[i] · scales[i]` for every row `i` of `y` `[rows, d]`: each product
+/// `out[rows[i]] += y[i] · scales[slots[i]]` for every row `i` of `y` `[rows, d]`: each product
 /// rounded, then added, as `index_add_` of the scaled rows does (an expert's rows are distinct
 /// tokens, so tasks never share an output row).
 fn add_scaled_rows(
     out_rows: &[Mutex<&mut [f32]>],
     rows: &[i64],
+    slots: &[i64],
     scales: &[f32],
     y: &[f32],
     d: usize,
@@ -297,7 +298,7 @@ fn add_scaled_rows(
             let mut out = out_rows[rows[i] as usize]
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            let scale = scales[i];
+            let scale = scales[slots[i] as usize];
             for (o, &v) in out.iter_mut().zip(&y[i * d..(i + 1) * d]) {
                 *o += v * scale;
             }
@@ -442,11 +443,7 @@ pub fn moe_ffn(
             let w = provider.expert(expert_id(expert), next)?;
             let rows = &tokens_of[expert];
             let y = scratch.expert_forward(values, d, rows, &w)?;
-            let scales: Vec<f32> = slots_of[expert]
-                .iter()
-                .map(|&s| scales[s as usize])
-                .collect();
-            add_scaled_rows(&out_rows, rows, &scales, y, d);
+            add_scaled_rows(&out_rows, rows, &slots_of[expert], &scales, y, d);
         }
         drop(out_rows);
         Tensor::f_from_slice(&out)?
@@ -456,8 +453,8 @@ pub fn moe_ffn(
             let idx = Tensor::f_from_slice(&tokens_of[expert])?.f_to_device(x.device())?;
             let selected = tokens.f_index_select(0, &idx)?; // [t_e, d]
 
-            // The next expert's read overlaps this one's compute. Experts are computed on in
-            // their stored encoding on the CPU; on a GPU they are expanded for the matmuls.
+            // A GPU (or activations that are not f32): libtorch's ops, the experts expanded for
+            // its matmuls. The next expert's read overlaps this one's compute.
             let next = used.get(i + 1).map(|&e| expert_id(e));
             let w = provider
                 .expert(expert_id(expert), next)?
@@ -572,8 +569,9 @@ mod tests {
     }
 
     /// Many tokens on the CPU (the rows path, its loops over two compute threads) give the bits
-    /// of HF's `index_add_` loop in libtorch: SwiGLU top-2 and ReLU top-1 with tokens over
-    /// capacity, f32, f16 and INT4 experts, experts of more rows than one task.
+    /// of HF's `index_add_` loop in libtorch: SwiGLU top-2/top-3 and ReLU top-1 with tokens over
+    /// capacity, f32, f16, INT4 and INT8 experts, an odd `d_ff`, experts of more rows than one
+    /// task.
     #[test]
     fn many_tokens_give_the_index_add_loops_values() {
         crate::quant::parallel::set_compute_threads(2);
