@@ -85,7 +85,7 @@ impl FromStr for KvFormat {
 
 /// Token-major rows of `width` values a cached attention walks ([`super::layers::CachedKv`]),
 /// each row handed over as f32.
-pub trait KvRows {
+pub trait KvRows: Sync {
     /// Whether rows are widened into the caller's scratch row (f32 rows are lent as they are,
     /// and need none).
     const WIDENS: bool;

@@ -5,6 +5,7 @@
 //! grouped-query attention. Each op mirrors the PyTorch line it ports so that results match to
 //! float rounding.
 
+use std::ops::Range;
 use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
@@ -673,7 +674,10 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
 
     /// [`Self::attend`] for `count` queries over the same cache (`queries`: `count × heads ×
     /// head_dim`, one after another; beams reading one document): one walk of the cache for
-    /// all of them, each query's result the same bits as its own [`Self::attend`].
+    /// all of them, each query's result the same bits as its own [`Self::attend`]. With
+    /// several compute threads and at least [`MIN_SPLIT_CACHED_SCORES`] scores, the heads are
+    /// split over the threads: over a long context the walk reads as many bytes as a decode
+    /// step's weights, and one thread alone left the others waiting.
     pub fn attend_each(
         &self,
         queries: &[f32],
@@ -682,12 +686,72 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         scaling: f32,
         bias: Option<&[f32]>,
     ) -> Vec<f32> {
+        let heads = queries.len() / count.max(1) / self.head_dim.max(1);
+        let total = self.keys.rows(self.kv_heads * self.head_dim);
+        let scores = count * heads * total.saturating_sub(first);
+        let groups = if scores >= MIN_SPLIT_CACHED_SCORES {
+            parallel::compute_threads().min(heads)
+        } else {
+            1
+        };
+        self.attend_in_groups(queries, count, first, scaling, bias, groups)
+    }
+
+    /// [`Self::attend_each`] with the heads split into `groups` consecutive groups spread over
+    /// the compute threads (one group: on this thread). Each head is attended as it is
+    /// alone, so every grouping gives the same bits. Each thread reads only its heads' part
+    /// of every f32 row; rows held narrower are widened whole by every group ([`KvRows::row`]
+    /// widens a whole row).
+    fn attend_in_groups(
+        &self,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+        groups: usize,
+    ) -> Vec<f32> {
+        let hd = self.head_dim;
+        let heads = queries.len() / count.max(1) / hd.max(1);
+        let groups = groups.clamp(1, heads.max(1));
+        if groups == 1 {
+            return self.attend_heads(queries, count, first, scaling, bias, 0..heads);
+        }
+        let group = |g: usize| heads * g / groups..heads * (g + 1) / groups;
+        let parts: Vec<Mutex<Vec<f32>>> = (0..groups).map(|_| Mutex::new(Vec::new())).collect();
+        parallel::for_each_task(groups, &|g| {
+            let part = self.attend_heads(queries, count, first, scaling, bias, group(g));
+            *parts[g].lock().unwrap_or_else(|e| e.into_inner()) = part;
+        });
+        // Each group's `[count × its heads, hd]` back into `[count × heads, hd]`.
+        let mut out = vec![0f32; count * heads * hd];
+        for (g, part) in parts.into_iter().enumerate() {
+            let part = part.into_inner().unwrap_or_else(|e| e.into_inner());
+            let heads_of = group(g);
+            let width = heads_of.len() * hd;
+            for (i, rows) in part.chunks_exact(width.max(1)).enumerate() {
+                out[(i * heads + heads_of.start) * hd..][..width].copy_from_slice(rows);
+            }
+        }
+        out
+    }
+
+    /// The heads `group` of every query, `[count × group.len(), hd]`, on this thread.
+    fn attend_heads(
+        &self,
+        queries: &[f32],
+        count: usize,
+        first: usize,
+        scaling: f32,
+        bias: Option<&[f32]>,
+        group: Range<usize>,
+    ) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { self.attend_avx2(queries, count, first, scaling, bias) };
+            return unsafe { self.attend_avx2(queries, count, first, scaling, bias, group) };
         }
-        self.attend_loops(queries, count, first, scaling, bias)
+        self.attend_loops(queries, count, first, scaling, bias, group)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -699,8 +763,9 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         first: usize,
         scaling: f32,
         bias: Option<&[f32]>,
+        group: Range<usize>,
     ) -> Vec<f32> {
-        self.attend_loops(queries, count, first, scaling, bias)
+        self.attend_loops(queries, count, first, scaling, bias, group)
     }
 
     #[inline(always)]
@@ -711,6 +776,7 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         first: usize,
         scaling: f32,
         bias: Option<&[f32]>,
+        group: Range<usize>,
     ) -> Vec<f32> {
         let hd = self.head_dim;
         let width = self.kv_heads * hd;
@@ -719,12 +785,12 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         let rep = (heads / self.kv_heads.max(1)).max(1);
         // Each head's offset in a cache row, worked out once: a division per head and token
         // cost more than the head's dot product on cores with slow 64-bit division.
-        let kv_offsets: Vec<usize> = (0..heads).map(|h| h / rep * hd).collect();
-        // weights[(query × heads + h) × total + t]: the scaled scores, then the softmax's
-        // probabilities. Query `i`'s head `h` is row `i × heads + h` of `queries` and of the
-        // output, `[count × heads, hd]`.
-        let rows = count * heads;
-        let mut weights = vec![0f32; rows * total];
+        let kv_offsets: Vec<usize> = group.clone().map(|h| h / rep * hd).collect();
+        // weights[(query × group heads + j) × total + t]: the scaled scores, then the softmax's
+        // probabilities. Query `i`'s head `h` is row `i × heads + h` of `queries`; head `j` of
+        // the group is row `i × group heads + j` of the output, `[count × group heads, hd]`.
+        let group_heads = kv_offsets.len();
+        let mut weights = vec![0f32; count * group_heads * total];
         // A row widened from a narrower format (none for f32 rows: no allocation).
         let mut scratch = vec![0f32; if R::WIDENS { width } else { 0 }];
         for t in first..total {
@@ -732,15 +798,15 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
             self.keys.prefetch(t + 1, width);
             for (query, query_weights) in queries
                 .chunks_exact(heads * hd)
-                .zip(weights.chunks_exact_mut(heads * total))
+                .zip(weights.chunks_exact_mut(group_heads * total))
             {
-                for h in 0..heads {
-                    let key = &keys[kv_offsets[h]..kv_offsets[h] + hd];
+                for (j, h) in group.clone().enumerate() {
+                    let key = &keys[kv_offsets[j]..kv_offsets[j] + hd];
                     let mut w = dot(&query[h * hd..(h + 1) * hd], key) * scaling;
                     if let Some(bias) = bias {
                         w += bias[h * total + t];
                     }
-                    query_weights[h * total + t] = w;
+                    query_weights[j * total + t] = w;
                 }
             }
         }
@@ -755,6 +821,12 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         )
     }
 }
+
+/// Fewest scores (queries × heads × cached tokens) for which [`CachedKv::attend_each`] splits
+/// the heads over the compute threads: a 64-token context with 16 heads, as
+/// [`MIN_SPLIT_SCORES`] is a 64-token prompt's. Each score is a `head_dim`-long dot product and
+/// as long a sum of values.
+const MIN_SPLIT_CACHED_SCORES: usize = 16 * 64;
 
 /// The softmax of each row of `weights` (`[count × heads, total]` scores, tokens `first..`
 /// only), then each row's probabilities times the value rows: the second half of every cached
@@ -912,10 +984,12 @@ mod tests {
     }
 
     /// The token-major walk gives the head-by-head attention's bits, with and without grouped
-    /// heads, a hidden prefix (a sliding window) and a bias, in every compiled variant; and both
-    /// are the attention computed in f64 to within f32 rounding.
+    /// heads, a hidden prefix (a sliding window) and a bias, in every compiled variant and with
+    /// the heads split over two compute threads in groups; and both are the attention computed
+    /// in f64 to within f32 rounding.
     #[test]
     fn cached_attention_gives_each_heads_sums_bit_for_bit() {
+        crate::quant::parallel::set_compute_threads(2);
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut uniform = move || {
             seed ^= seed << 13;
@@ -952,7 +1026,7 @@ mod tests {
                 "{case}"
             );
             assert_eq!(
-                bits(&kv.attend_loops(&q, 1, first, scaling, bias)),
+                bits(&kv.attend_loops(&q, 1, first, scaling, bias, 0..heads)),
                 bits(&want),
                 "{case}"
             );
@@ -973,9 +1047,21 @@ mod tests {
             }
             for attended in [
                 kv.attend_each(&queries, 3, first, scaling, bias),
-                kv.attend_loops(&queries, 3, first, scaling, bias),
+                kv.attend_loops(&queries, 3, first, scaling, bias, 0..heads),
             ] {
                 assert_eq!(bits(&attended), bits(&each), "{case}, three queries");
+            }
+            // The heads split into groups (on the compute threads, or on this one when the
+            // pool is busy): every grouping gives each query's own bits.
+            for groups in [2, 3, heads] {
+                for (n, queries, want) in [(1, &q[..], &want), (3, &queries[..], &each)] {
+                    let split = kv.attend_in_groups(queries, n, first, scaling, bias, groups);
+                    assert_eq!(
+                        bits(&split),
+                        bits(want),
+                        "{case}, {n} queries, {groups} groups"
+                    );
+                }
             }
             // The same attention in f64.
             let rep = heads / kv_heads;

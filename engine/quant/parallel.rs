@@ -42,10 +42,11 @@ pub fn set_compute_threads(threads: usize) {
     POOL.get_or_init(|| Pool::start(threads));
 }
 
-/// The number of compute threads (1 when no pool was set up).
+/// The number of compute threads (1 when no pool was set up). Asking does not set the pool
+/// up, so a later [`set_compute_threads`] still can.
 pub fn compute_threads() -> usize {
-    POOL.get_or_init(|| None)
-        .as_ref()
+    POOL.get()
+        .and_then(Option::as_ref)
         .map_or(1, |p| p.helpers + 1)
 }
 
