@@ -676,8 +676,8 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
     /// head_dim`, one after another; beams reading one document): one walk of the cache for
     /// all of them, each query's result the same bits as its own [`Self::attend`]. With
     /// several compute threads and at least [`MIN_SPLIT_CACHED_SCORES`] scores, the heads are
-    /// split over the threads: over a long context the walk reads as many bytes as a decode
-    /// step's weights, and one thread alone left the others waiting.
+    /// split over the threads: over a long context the walk is a large share of a decode
+    /// step's bytes, and one thread alone left the others waiting.
     pub fn attend_each(
         &self,
         queries: &[f32],
