@@ -689,8 +689,9 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         let heads = queries.len() / count.max(1) / self.head_dim.max(1);
         let total = self.keys.rows(self.kv_heads * self.head_dim);
         let scores = count * heads * total.saturating_sub(first);
+        // `attend_in_groups` caps the groups at the heads.
         let groups = if scores >= MIN_SPLIT_CACHED_SCORES {
-            parallel::compute_threads().min(heads)
+            parallel::compute_threads()
         } else {
             1
         };
