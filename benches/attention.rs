@@ -2,12 +2,13 @@
 //! cross-attention of 4 beams over one switch-base-8 document (353 tokens, 12 heads of 64),
 //! beam by beam against one shared walk of the cache and against the same cache held as a
 //! [`SourceKv`] (keys by dimension) in each format, and one query over a long self-attention
-//! cache (OLMoE's 16 heads of 128, 512 tokens).
+//! cache (OLMoE's 16 heads of 128, 512 tokens; 1024 tokens in each format, on
+//! `ATTENTION_THREADS` compute threads, 1 by default: with more, the heads are split over them).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use edgemoe::model::kv::{KvFormat, SourceKv};
+use edgemoe::model::kv::{KvCacheRows, KvFormat, SourceKv};
 use edgemoe::model::layers::CachedKv;
 
 /// Deterministic values in [-1, 1).
@@ -96,6 +97,36 @@ fn attention(c: &mut Criterion) {
     group.bench_function("1 query over a 512-token cache", |b| {
         b.iter(|| black_box(kv.attend(black_box(&query), 0, 1.0, None)))
     });
+
+    let threads: usize = std::env::var("ATTENTION_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1);
+    edgemoe::quant::parallel::set_compute_threads(threads);
+    let tokens = 1024;
+    let (keys, vals) = (values(tokens * width, 7), values(tokens * width, 8));
+    for format in KvFormat::ALL {
+        let cache = KvCacheRows::new(format, keys.clone(), vals.clone(), width);
+        group.throughput(Throughput::Bytes(
+            2 * format.bytes(tokens as u64, width as u64),
+        ));
+        group.bench_function(
+            format!("1 query over a 1024-token cache, {format}, {threads} threads"),
+            |b| {
+                b.iter(|| {
+                    black_box(cache.attend_each(
+                        heads,
+                        head_dim,
+                        black_box(&query),
+                        1,
+                        0,
+                        1.0,
+                        None,
+                    ))
+                })
+            },
+        );
+    }
     group.finish();
 }
 

@@ -18,6 +18,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
 use super::layers::{mix_values, CachedKv};
@@ -95,10 +96,25 @@ pub trait KvRows: Sync {
 
     /// Row `t`'s values: the stored row itself where it is f32, else widened into `scratch`
     /// (`width` values).
-    fn row<'s>(&'s self, t: usize, width: usize, scratch: &'s mut [f32]) -> &'s [f32];
+    #[inline(always)]
+    fn row<'s>(&'s self, t: usize, width: usize, scratch: &'s mut [f32]) -> &'s [f32] {
+        self.part(t, width, 0..width, scratch)
+    }
 
-    /// Asks for row `t`'s bytes ahead of their use (a hint; `t` may be past the end).
-    fn prefetch(&self, t: usize, width: usize);
+    /// Columns `span` of row `t`, the same values as those of [`Self::row`]: the stored values
+    /// themselves where they are f32, else widened into `scratch` (at least `span.len()`
+    /// values). A thread attending some of the heads widens only their columns.
+    fn part<'s>(
+        &'s self,
+        t: usize,
+        width: usize,
+        span: Range<usize>,
+        scratch: &'s mut [f32],
+    ) -> &'s [f32];
+
+    /// Asks for the bytes of columns `span` of row `t` ahead of their use (a hint; `t` may be
+    /// past the end).
+    fn prefetch(&self, t: usize, width: usize, span: Range<usize>);
 }
 
 impl KvRows for [f32] {
@@ -109,13 +125,20 @@ impl KvRows for [f32] {
     }
 
     #[inline(always)]
-    fn row<'s>(&'s self, t: usize, width: usize, _scratch: &'s mut [f32]) -> &'s [f32] {
-        &self[t * width..(t + 1) * width]
+    fn part<'s>(
+        &'s self,
+        t: usize,
+        width: usize,
+        span: Range<usize>,
+        _scratch: &'s mut [f32],
+    ) -> &'s [f32] {
+        &self[t * width..(t + 1) * width][span]
     }
 
     #[inline(always)]
-    fn prefetch(&self, t: usize, width: usize) {
-        prefetch_bytes(self.as_ptr().wrapping_add(t * width).cast(), width * 4);
+    fn prefetch(&self, t: usize, width: usize, span: Range<usize>) {
+        let at = self.as_ptr().wrapping_add(t * width + span.start);
+        prefetch_bytes(at.cast(), span.len() * 4);
     }
 }
 
@@ -147,15 +170,23 @@ impl KvRows for F16Rows {
     }
 
     #[inline(always)]
-    fn row<'s>(&'s self, t: usize, width: usize, scratch: &'s mut [f32]) -> &'s [f32] {
-        let out = &mut scratch[..width];
-        (kernels::best().widen_f16)(&self.0[2 * t * width..2 * (t + 1) * width], out);
+    fn part<'s>(
+        &'s self,
+        t: usize,
+        width: usize,
+        span: Range<usize>,
+        scratch: &'s mut [f32],
+    ) -> &'s [f32] {
+        let out = &mut scratch[..span.len()];
+        let row = &self.0[2 * t * width..2 * (t + 1) * width];
+        (kernels::best().widen_f16)(&row[2 * span.start..2 * span.end], out);
         out
     }
 
     #[inline(always)]
-    fn prefetch(&self, t: usize, width: usize) {
-        prefetch_bytes(self.0.as_ptr().wrapping_add(2 * t * width), width * 2);
+    fn prefetch(&self, t: usize, width: usize, span: Range<usize>) {
+        let at = self.0.as_ptr().wrapping_add(2 * (t * width + span.start));
+        prefetch_bytes(at, span.len() * 2);
     }
 }
 
@@ -209,25 +240,37 @@ impl KvRows for Int8Rows {
     }
 
     #[inline(always)]
-    fn row<'s>(&'s self, t: usize, width: usize, scratch: &'s mut [f32]) -> &'s [f32] {
-        let out = &mut scratch[..width];
-        let codes = &self.codes[t * width..(t + 1) * width];
+    fn part<'s>(
+        &'s self,
+        t: usize,
+        width: usize,
+        span: Range<usize>,
+        scratch: &'s mut [f32],
+    ) -> &'s [f32] {
+        let out = &mut scratch[..span.len()];
+        let codes = &self.codes[t * width..(t + 1) * width][span.clone()];
         let scales = &self.scales[t * self.blocks_per_row..(t + 1) * self.blocks_per_row];
-        for ((out, codes), &scale) in out
-            .chunks_mut(INT8_BLOCK)
-            .zip(codes.chunks(INT8_BLOCK))
-            .zip(scales)
-        {
-            for (o, &c) in out.iter_mut().zip(codes) {
+        // The span in pieces that each lie in one block (the first and last may be partial).
+        let mut done = 0;
+        while done < span.len() {
+            let column = span.start + done;
+            let scale = scales[column / INT8_BLOCK];
+            let piece = (INT8_BLOCK - column % INT8_BLOCK).min(span.len() - done);
+            for (o, &c) in out[done..done + piece]
+                .iter_mut()
+                .zip(&codes[done..done + piece])
+            {
                 *o = c as f32 * scale;
             }
+            done += piece;
         }
         out
     }
 
     #[inline(always)]
-    fn prefetch(&self, t: usize, width: usize) {
-        prefetch_bytes(self.codes.as_ptr().wrapping_add(t * width).cast(), width);
+    fn prefetch(&self, t: usize, width: usize, span: Range<usize>) {
+        let at = self.codes.as_ptr().wrapping_add(t * width + span.start);
+        prefetch_bytes(at.cast(), span.len());
     }
 }
 
@@ -674,6 +717,46 @@ mod tests {
             .collect()
     }
 
+    /// Columns `span` of row `t` of `rows`: those of the whole row, bit for bit.
+    fn assert_parts_are_the_rows<R: KvRows + ?Sized>(rows: &R, width: usize, format: KvFormat) {
+        let mut whole = vec![0f32; width];
+        let mut part = vec![0f32; width];
+        for t in 0..rows.rows(width) {
+            let row = rows.row(t, width, &mut whole).to_vec();
+            for start in [0, 1, 31, 32, 33, 40, 80, width - 1, width] {
+                for end in [start, start + 1, 63, 64, 65, 96, 119, width] {
+                    if end < start || end > width {
+                        continue;
+                    }
+                    let got = rows.part(t, width, start..end, &mut part);
+                    assert_eq!(
+                        bits(got),
+                        bits(&row[start..end]),
+                        "{format}: row {t}, columns {start}..{end}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every format hands out any part of a row as the same values as the whole row: f16
+    /// widened, INT8 scaled by the block each column lies in (parts that start and end inside
+    /// blocks, span several, or hold nothing).
+    #[test]
+    fn a_rows_part_is_that_part_of_the_row() {
+        let width = 3 * 40;
+        let values = cache_values(4, width, 0x5851_f42d_4c95_7f2d);
+        for format in KvFormat::ALL {
+            match KvCacheRows::new(format, values.clone(), values.clone(), width) {
+                KvCacheRows::F32 { keys, .. } => {
+                    assert_parts_are_the_rows(&keys[..], width, format)
+                }
+                KvCacheRows::F16 { keys, .. } => assert_parts_are_the_rows(&keys, width, format),
+                KvCacheRows::Int8 { keys, .. } => assert_parts_are_the_rows(&keys, width, format),
+            }
+        }
+    }
+
     /// `values` as the INT8 format should hold them, written from its definition: per row,
     /// per block of 32, `round(x / s) × s` with `s = max |x| / 127`.
     fn int8_reference(values: &[f32], width: usize) -> Vec<f32> {
@@ -698,9 +781,14 @@ mod tests {
     /// widened or dequantized as the walk reaches them), for one query and for three sharing a
     /// walk; INT8 stays within half a step of the values, and both narrower formats do change
     /// the result.
+    ///
+    /// With two compute threads, the last two shapes have enough scores for the heads to be
+    /// split over them: each thread then widens only its heads' columns ([`KvRows::part`]),
+    /// which for heads of 40 values start and end inside INT8 blocks.
     #[test]
     fn narrow_caches_attend_as_f32_over_their_rounded_values() {
-        for (heads, hd, rows) in [(4, 16, 7), (12, 64, 40), (3, 40, 5)] {
+        crate::quant::parallel::set_compute_threads(2);
+        for (heads, hd, rows) in [(4, 16, 7), (12, 64, 40), (3, 40, 5), (3, 40, 120)] {
             let width = heads * hd;
             let keys = cache_values(rows, width, 0x9e37_79b9_7f4a_7c15);
             let values = cache_values(rows, width, 0x2545_f491_4f6c_dd1d);

@@ -665,7 +665,8 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
     /// context. Each head still sums its tokens in ascending order, so the results are the same
     /// bits either way. Each token's row asks for the next one's bytes ahead
     /// ([`KvRows::prefetch`]: on Intel cores, whose prefetchers lag behind this stream of rows).
-    /// Rows held narrower than f32 ([`super::kv`]) are widened one at a time into a scratch row.
+    /// Rows held narrower than f32 ([`super::kv`]) are widened one at a time into a scratch row
+    /// (only the columns the heads attended on this thread read).
     /// On x86_64 the loops are compiled for AVX2 where the CPU has it (plain multiplies and adds,
     /// no FMA: the same roundings as the baseline SSE2 build).
     pub fn attend(&self, q: &[f32], first: usize, scaling: f32, bias: Option<&[f32]>) -> Vec<f32> {
@@ -700,9 +701,8 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
 
     /// [`Self::attend_each`] with the heads split into `groups` consecutive groups spread over
     /// the compute threads (one group: on this thread). Each head is attended as it is
-    /// alone, so every grouping gives the same bits. Each thread reads only its heads' part
-    /// of every f32 row; rows held narrower are widened whole by every group ([`KvRows::row`]
-    /// widens a whole row).
+    /// alone, so every grouping gives the same bits. Each thread reads (and, for rows held
+    /// narrower than f32, widens) only its heads' part of every row ([`KvRows::part`]).
     fn attend_in_groups(
         &self,
         queries: &[f32],
@@ -792,17 +792,20 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
         // the group is row `i × group heads + j` of the output, `[count × group heads, hd]`.
         let group_heads = kv_offsets.len();
         let mut weights = vec![0f32; count * group_heads * total];
-        // A row widened from a narrower format (none for f32 rows: no allocation).
-        let mut scratch = vec![0f32; if R::WIDENS { width } else { 0 }];
+        // The columns of a row the group's heads read (a group's heads are consecutive).
+        let span = heads_span(&kv_offsets, hd);
+        // Those columns widened from a narrower format (none for f32 rows: no allocation).
+        let mut scratch = vec![0f32; if R::WIDENS { span.len() } else { 0 }];
         for t in first..total {
-            let keys = self.keys.row(t, width, &mut scratch);
-            self.keys.prefetch(t + 1, width);
+            let keys = self.keys.part(t, width, span.clone(), &mut scratch);
+            self.keys.prefetch(t + 1, width, span.clone());
             for (query, query_weights) in queries
                 .chunks_exact(heads * hd)
                 .zip(weights.chunks_exact_mut(group_heads * total))
             {
                 for (j, h) in group.clone().enumerate() {
-                    let key = &keys[kv_offsets[j]..kv_offsets[j] + hd];
+                    let at = kv_offsets[j] - span.start;
+                    let key = &keys[at..at + hd];
                     let mut w = dot(&query[h * hd..(h + 1) * hd], key) * scaling;
                     if let Some(bias) = bias {
                         w += bias[h * total + t];
@@ -846,6 +849,7 @@ pub(super) fn mix_values<R: KvRows + ?Sized>(
     let heads = kv_offsets.len();
     let total = values.rows(width);
     let rows = weights.len() / total.max(1);
+    let span = heads_span(kv_offsets, hd);
     for head in weights.chunks_exact_mut(total.max(1)) {
         let head = &mut head[first..];
         let max = head.iter().fold(f32::NEG_INFINITY, |m, &w| m.max(w));
@@ -858,15 +862,16 @@ pub(super) fn mix_values<R: KvRows + ?Sized>(
     }
     let mut out = vec![0f32; rows * hd];
     for t in first..total {
-        let values_row = values.row(t, width, scratch);
-        values.prefetch(t + 1, width);
+        let values_part = values.part(t, width, span.clone(), scratch);
+        values.prefetch(t + 1, width, span.clone());
         for (query_out, query_weights) in out
             .chunks_exact_mut(heads * hd)
             .zip(weights.chunks_exact((heads * total).max(1)))
         {
             for (h, out) in query_out.chunks_exact_mut(hd).enumerate() {
                 let p = query_weights[h * total + t];
-                let value = &values_row[kv_offsets[h]..kv_offsets[h] + hd];
+                let at = kv_offsets[h] - span.start;
+                let value = &values_part[at..at + hd];
                 for (o, v) in out.iter_mut().zip(value) {
                     *o += p * v;
                 }
@@ -874,6 +879,15 @@ pub(super) fn mix_values<R: KvRows + ?Sized>(
         }
     }
     out
+}
+
+/// The columns of a cache row that heads reading at `kv_offsets` (`hd` values each) cover:
+/// from the first offset to the end of the last head's values (none without a head).
+fn heads_span(kv_offsets: &[usize], hd: usize) -> Range<usize> {
+    match (kv_offsets.iter().min(), kv_offsets.iter().max()) {
+        (Some(&first), Some(&last)) => first..last + hd,
+        _ => 0..0,
+    }
 }
 
 /// `Σ a[i]·b[i]` over 16 running sums (lane `i % 16`), added together at the end: a fixed
