@@ -782,9 +782,9 @@ mod tests {
     /// walk; INT8 stays within half a step of the values, and both narrower formats do change
     /// the result.
     ///
-    /// With two compute threads, the last two shapes have enough scores for the heads to be
-    /// split over them: each thread then widens only its heads' columns ([`KvRows::part`]),
-    /// which for heads of 40 values start and end inside INT8 blocks.
+    /// With two compute threads, the second and the last shapes have enough scores for the
+    /// heads to be split over them: each thread then widens only its heads' columns
+    /// ([`KvRows::part`]), which for heads of 40 values start and end inside INT8 blocks.
     #[test]
     fn narrow_caches_attend_as_f32_over_their_rounded_values() {
         crate::quant::parallel::set_compute_threads(2);

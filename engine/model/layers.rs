@@ -666,7 +666,7 @@ impl<R: KvRows + ?Sized> CachedKv<'_, R> {
     /// bits either way. Each token's row asks for the next one's bytes ahead
     /// ([`KvRows::prefetch`]: on Intel cores, whose prefetchers lag behind this stream of rows).
     /// Rows held narrower than f32 ([`super::kv`]) are widened one at a time into a scratch row
-    /// (only the columns the heads attended on this thread read).
+    /// (only the columns of the heads this thread attends).
     /// On x86_64 the loops are compiled for AVX2 where the CPU has it (plain multiplies and adds,
     /// no FMA: the same roundings as the baseline SSE2 build).
     pub fn attend(&self, q: &[f32], first: usize, scaling: f32, bias: Option<&[f32]>) -> Vec<f32> {
