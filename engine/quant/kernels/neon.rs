@@ -148,36 +148,29 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     dot_bf16_rows: Some(|row, x, cols, out| unsafe { half_rows::<true>(row, x, cols, out) }),
 };
 
-#[target_feature(enable = "neon")]
-fn load_s8(bytes: &[u8]) -> int8x16_t {
-    assert!(bytes.len() >= 16);
-    // SAFETY: 16 readable bytes (checked).
-    unsafe { vld1q_s8(bytes.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "neon")]
-fn load_s8x8(bytes: &[u8]) -> int8x8_t {
-    assert!(bytes.len() >= 8);
-    // SAFETY: 8 readable bytes (checked).
-    unsafe { vld1_s8(bytes.as_ptr().cast()) }
-}
-
-/// A block's 32 weight codes as two vectors, in [`super::block_order`].
-#[target_feature(enable = "neon")]
-fn unpack_block(w: &[u8], bits: QuantBits) -> (int8x16_t, int8x16_t) {
-    match bits {
-        QuantBits::Int8 => (load_s8(w), load_s8(&w[16..])),
-        QuantBits::Int4 => {
-            let v = load_s8(w);
-            (vshrq_n_s8::<4>(vshlq_n_s8::<4>(v)), vshrq_n_s8::<4>(v))
-        }
-        QuantBits::Int2 => {
-            let v = load_s8x8(w);
-            let f0 = vshr_n_s8::<6>(vshl_n_s8::<6>(v));
-            let f1 = vshr_n_s8::<6>(vshl_n_s8::<4>(v));
-            let f2 = vshr_n_s8::<6>(vshl_n_s8::<2>(v));
-            let f3 = vshr_n_s8::<6>(v);
-            (vcombine_s8(f0, f1), vcombine_s8(f2, f3))
+/// A block's 32 weight codes as two vectors, in [`super::block_order`], from its packed bytes
+/// at `w` (32, 16 or 8 of them for `BITS` 8, 4 or 2).
+///
+/// # Safety
+/// Only inlined into functions that enable NEON; the block's bytes are readable at `w`.
+#[inline(always)]
+unsafe fn unpack_block<const BITS: usize>(w: *const u8) -> (int8x16_t, int8x16_t) {
+    // SAFETY: see the function's contract.
+    unsafe {
+        match BITS {
+            8 => (vld1q_s8(w.cast()), vld1q_s8(w.add(16).cast())),
+            4 => {
+                let v = vld1q_s8(w.cast());
+                (vshrq_n_s8::<4>(vshlq_n_s8::<4>(v)), vshrq_n_s8::<4>(v))
+            }
+            _ => {
+                let v = vld1_s8(w.cast());
+                let f0 = vshr_n_s8::<6>(vshl_n_s8::<6>(v));
+                let f1 = vshr_n_s8::<6>(vshl_n_s8::<4>(v));
+                let f2 = vshr_n_s8::<6>(vshl_n_s8::<2>(v));
+                let f3 = vshr_n_s8::<6>(v);
+                (vcombine_s8(f0, f1), vcombine_s8(f2, f3))
+            }
         }
     }
 }
@@ -192,30 +185,111 @@ fn widening_block_sums(w0: int8x16_t, w1: int8x16_t, x0: int8x16_t, x1: int8x16_
     vpadalq_s16(vpaddlq_s16(p0), p1)
 }
 
-/// ARMv8.0: [`widening_block_sums`] per block.
+/// Block `b` of a weight row (as [`unpack_block`] reads it) against block `b` of activation
+/// codes at `x`: its four i32 partial sums, by `sdot` where `SDOT`, else
+/// [`widening_block_sums`].
+///
+/// # Safety
+/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`; `w` (the weight
+/// block's bytes) and the 32 codes at `x` are readable.
+#[inline(always)]
+unsafe fn block_sums<const SDOT: bool>(
+    (w0, w1): (int8x16_t, int8x16_t),
+    x: *const i8,
+) -> int32x4_t {
+    // SAFETY: see the function's contract.
+    unsafe {
+        let (x0, x1) = (vld1q_s8(x), vld1q_s8(x.add(16)));
+        if SDOT {
+            sdot_block_sums(w0, w1, x0, x1)
+        } else {
+            widening_block_sums(w0, w1, x0, x1)
+        }
+    }
+}
+
+/// ARMv8.0: [`dot_quant_bits`] for the row's width.
 #[target_feature(enable = "neon")]
 fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
-    let full = cols / BLOCK;
-    let block_bytes = BLOCK * bits.bits() as usize / 8;
-    // SAFETY: i8 and u8 have the same layout.
-    let xb: &[u8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), codes.len()) };
-    let mut acc = vdupq_n_f32(0.0);
-    for (b, (w, &d)) in row
-        .chunks_exact(block_bytes)
-        .zip(scales)
-        .take(full)
-        .enumerate()
-    {
-        let (w0, w1) = unpack_block(w, bits);
-        let (x0, x1) = (load_s8(&xb[b * BLOCK..]), load_s8(&xb[b * BLOCK + 16..]));
-        let sums = widening_block_sums(w0, w1, x0, x1);
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), d);
+    match bits {
+        QuantBits::Int8 => dot_quant_bits::<8>(row, cols, codes, scales),
+        QuantBits::Int4 => dot_quant_bits::<4>(row, cols, codes, scales),
+        QuantBits::Int2 => dot_quant_bits::<2>(row, cols, codes, scales),
     }
-    let mut sum = vaddvq_f32(acc);
+}
+
+/// ARMv8.0: [`dot_quant_body`] on [`widening_block_sums`], one function per width (kept out of
+/// line: one symbol per width in a profile, and for `benches/neon_loops.py`).
+#[target_feature(enable = "neon")]
+#[inline(never)]
+fn dot_quant_bits<const BITS: usize>(row: &[u8], cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
+    // SAFETY: NEON is part of the aarch64 baseline.
+    unsafe { dot_quant_body::<BITS, false>(row, cols, codes, scales) }
+}
+
+/// A packed row of `BITS`-bit codes dotted with one activation row: each block's integer sums
+/// (`sdot` where `SDOT`) times its activation scale, added into four accumulators in turn (block
+/// `b` into accumulator `b mod 4`; the blocks past the last whole four into the first), so that
+/// consecutive blocks do not wait on each other's additions; then the four summed, and the
+/// partial block at the end, if any, by the scalar reference. [`int8_rows_body`] takes the very
+/// same steps.
+///
+/// # Safety
+/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`.
+#[inline(always)]
+unsafe fn dot_quant_body<const BITS: usize, const SDOT: bool>(
+    row: &[u8],
+    cols: usize,
+    codes: &[i8],
+    scales: &[f32],
+) -> f32 {
+    let bits = match BITS {
+        8 => QuantBits::Int8,
+        4 => QuantBits::Int4,
+        _ => QuantBits::Int2,
+    };
+    let full = cols / BLOCK;
+    let block_bytes = BLOCK * BITS / 8;
+    assert!(row.len() >= full * block_bytes && codes.len() >= full * BLOCK);
+    assert!(scales.len() >= full);
+    let (w, x, s) = (row.as_ptr(), codes.as_ptr(), scales.as_ptr());
+    // SAFETY (every block below): `b < full`, inside the lengths asserted above; the caller
+    // enables the features (see the function's contract).
+    let step = |acc: float32x4_t, b: usize| unsafe {
+        let sums = block_sums::<SDOT>(
+            unpack_block::<BITS>(w.add(b * block_bytes)),
+            x.add(b * BLOCK),
+        );
+        vfmaq_n_f32(acc, vcvtq_f32_s32(sums), *s.add(b))
+    };
+    let mut acc = [vdupq_n_f32(0.0); 4];
+    let quads = full / 4 * 4;
+    for b in (0..quads).step_by(4) {
+        acc[0] = step(acc[0], b);
+        acc[1] = step(acc[1], b + 1);
+        acc[2] = step(acc[2], b + 2);
+        acc[3] = step(acc[3], b + 3);
+    }
+    for b in quads..full {
+        acc[0] = step(acc[0], b);
+    }
+    let mut sum = sum_accumulators(acc);
     if full * BLOCK < cols {
         sum += scales[full] * reference::block_sum(row, bits, cols, full, codes) as f32;
     }
     sum
+}
+
+/// The four accumulators of [`dot_quant_body`] summed: pairwise, then across lanes.
+#[inline(always)]
+fn sum_accumulators(acc: [float32x4_t; 4]) -> f32 {
+    // SAFETY: NEON is part of the aarch64 baseline.
+    unsafe {
+        vaddvq_f32(vaddq_f32(
+            vaddq_f32(acc[0], acc[1]),
+            vaddq_f32(acc[2], acc[3]),
+        ))
+    }
 }
 
 /// `acc + Σ a[4i..4i+4] · b[4i..4i+4]` per lane (`sdot`).
@@ -242,29 +316,28 @@ fn sdot_block_sums(w0: int8x16_t, w1: int8x16_t, x0: int8x16_t, x1: int8x16_t) -
     sdot(sdot(vdupq_n_s32(0), w0, x0), w1, x1)
 }
 
+/// `dotprod`: [`dot_quant_bits_sdot`] for the row's width.
 #[target_feature(enable = "neon,dotprod")]
 fn dot_quant_sdot(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
-    let full = cols / BLOCK;
-    let block_bytes = BLOCK * bits.bits() as usize / 8;
-    // SAFETY: i8 and u8 have the same layout.
-    let xb: &[u8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), codes.len()) };
-    let mut acc = vdupq_n_f32(0.0);
-    for (b, (w, &d)) in row
-        .chunks_exact(block_bytes)
-        .zip(scales)
-        .take(full)
-        .enumerate()
-    {
-        let (w0, w1) = unpack_block(w, bits);
-        let (x0, x1) = (load_s8(&xb[b * BLOCK..]), load_s8(&xb[b * BLOCK + 16..]));
-        let sums = sdot_block_sums(w0, w1, x0, x1);
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), d);
+    match bits {
+        QuantBits::Int8 => dot_quant_bits_sdot::<8>(row, cols, codes, scales),
+        QuantBits::Int4 => dot_quant_bits_sdot::<4>(row, cols, codes, scales),
+        QuantBits::Int2 => dot_quant_bits_sdot::<2>(row, cols, codes, scales),
     }
-    let mut sum = vaddvq_f32(acc);
-    if full * BLOCK < cols {
-        sum += scales[full] * reference::block_sum(row, bits, cols, full, codes) as f32;
-    }
-    sum
+}
+
+/// `dotprod`: [`dot_quant_body`] on [`sdot_block_sums`], one function per width (as
+/// [`dot_quant_bits`]).
+#[target_feature(enable = "neon,dotprod")]
+#[inline(never)]
+fn dot_quant_bits_sdot<const BITS: usize>(
+    row: &[u8],
+    cols: usize,
+    codes: &[i8],
+    scales: &[f32],
+) -> f32 {
+    // SAFETY: the caller's CPU has `dotprod` (this function's target feature).
+    unsafe { dot_quant_body::<BITS, true>(row, cols, codes, scales) }
 }
 
 /// Four f16 values widened to f32 (`fcvtl`, ARMv8.0; the intrinsic needs the unstable `f16`).
@@ -433,8 +506,9 @@ unsafe fn int8_rows_in_groups<const SDOT: bool>(
 }
 
 /// [`dot_quant`] (or, where `SDOT`, [`dot_quant_sdot`]) of one INT8 row with `N` activation rows:
-/// each weight block is loaded once, then each activation row takes that kernel's very steps
-/// (the same block sums into the same accumulator), so each result is the same bits as its own.
+/// each weight block is loaded once, then each activation row takes [`dot_quant_body`]'s very
+/// steps (the same block sums into the same one of its four accumulators), so each result is
+/// the same bits as its own.
 ///
 /// # Safety
 /// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`.
@@ -444,37 +518,40 @@ unsafe fn int8_rows_body<const SDOT: bool, const N: usize>(
     cols: usize,
     xs: [&QuantRow<'_>; N],
 ) -> [f32; N] {
-    // SAFETY: the intrinsics need NEON (and `sdot` dotprod), which the callers enable.
-    unsafe {
-        let full = cols / BLOCK;
-        let codes: [&[u8]; N] = xs.map(|x| {
-            assert!(x.codes.len() >= full * BLOCK && x.scales.len() >= full);
-            // SAFETY: i8 and u8 have the same layout.
-            std::slice::from_raw_parts(x.codes.as_ptr().cast::<u8>(), x.codes.len())
-        });
-        let mut acc = [vdupq_n_f32(0.0); N];
-        for (b, w) in row.chunks_exact(BLOCK).take(full).enumerate() {
-            let (w0, w1) = (load_s8(w), load_s8(&w[16..]));
-            for i in 0..N {
-                let xb = &codes[i][b * BLOCK..];
-                let (x0, x1) = (load_s8(xb), load_s8(&xb[16..]));
-                let sums = if SDOT {
-                    sdot_block_sums(w0, w1, x0, x1)
-                } else {
-                    widening_block_sums(w0, w1, x0, x1)
-                };
-                acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(sums), xs[i].scales[b]);
-            }
-        }
-        std::array::from_fn(|i| {
-            let mut sum = vaddvq_f32(acc[i]);
-            if full * BLOCK < cols {
-                let tail = reference::block_sum(row, QuantBits::Int8, cols, full, xs[i].codes);
-                sum += xs[i].scales[full] * tail as f32;
-            }
-            sum
-        })
+    let full = cols / BLOCK;
+    assert!(row.len() >= full * BLOCK);
+    for x in xs {
+        assert!(x.codes.len() >= full * BLOCK && x.scales.len() >= full);
     }
+    let w = row.as_ptr();
+    // SAFETY (every block below): `b < full`, inside the lengths asserted above; the caller
+    // enables the features (see the function's contract).
+    let step = |acc: &mut [[float32x4_t; 4]; N], a: usize, b: usize| unsafe {
+        let block = unpack_block::<8>(w.add(b * BLOCK));
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let sums = block_sums::<SDOT>(block, x.codes.as_ptr().add(b * BLOCK));
+            acc[a] = vfmaq_n_f32(acc[a], vcvtq_f32_s32(sums), *x.scales.as_ptr().add(b));
+        }
+    };
+    // SAFETY: NEON is part of the aarch64 baseline.
+    let mut acc = [[unsafe { vdupq_n_f32(0.0) }; 4]; N];
+    let quads = full / 4 * 4;
+    for b in (0..quads).step_by(4) {
+        for a in 0..4 {
+            step(&mut acc, a, b + a);
+        }
+    }
+    for b in quads..full {
+        step(&mut acc, 0, b);
+    }
+    std::array::from_fn(|i| {
+        let mut sum = sum_accumulators(acc[i]);
+        if full * BLOCK < cols {
+            let tail = reference::block_sum(row, QuantBits::Int8, cols, full, xs[i].codes);
+            sum += xs[i].scales[full] * tail as f32;
+        }
+        sum
+    })
 }
 
 /// [`Kernels::dot_f16_rows`] (and, where `BF16`, [`Kernels::dot_bf16_rows`]): `out[i]` =
@@ -588,15 +665,37 @@ fn prepare_rows<'a>(
 /// [`gemm::unpack_values`] does.
 #[target_feature(enable = "neon")]
 fn unpack_row(src: &[u8], bits: QuantBits, cols: usize, dst: &mut [u8]) {
-    let (full, block_bytes) = (cols / BLOCK, BLOCK * bits.bits() as usize / 8);
+    // SAFETY: NEON is part of the aarch64 baseline.
+    unsafe {
+        match bits {
+            QuantBits::Int8 => unpack_row_bits::<8>(src, cols, dst),
+            QuantBits::Int4 => unpack_row_bits::<4>(src, cols, dst),
+            QuantBits::Int2 => unpack_row_bits::<2>(src, cols, dst),
+        }
+    }
+}
+
+/// [`unpack_row`] for one width.
+///
+/// # Safety
+/// Only inlined into functions that enable NEON.
+#[inline(always)]
+unsafe fn unpack_row_bits<const BITS: usize>(src: &[u8], cols: usize, dst: &mut [u8]) {
+    let bits = match BITS {
+        8 => QuantBits::Int8,
+        4 => QuantBits::Int4,
+        _ => QuantBits::Int2,
+    };
+    let (full, block_bytes) = (cols / BLOCK, BLOCK * BITS / 8);
     for (w, out) in src
         .chunks_exact(block_bytes)
         .zip(dst.as_chunks_mut::<BLOCK>().0)
         .take(full)
     {
-        let (w0, w1) = unpack_block(w, bits);
-        // SAFETY: 32 writable bytes (a block of `dst`).
+        // SAFETY: a whole block of packed bytes is readable at `w`, and 32 bytes (a block of
+        // `dst`) writable at `out`.
         unsafe {
+            let (w0, w1) = unpack_block::<BITS>(w.as_ptr());
             vst1q_s8(out.as_mut_ptr().cast(), w0);
             vst1q_s8(out.as_mut_ptr().add(16).cast(), w1);
         }
