@@ -2,8 +2,8 @@
 """Cycles per block of the NEON GEMV kernels on a model of a Raspberry Pi's core (llvm-mca).
 
 No board is at hand, so this reads the aarch64 build's assembly instead of timing it: for each
-one-row integer GEMV kernel (`neon::dot_quant_bits` on ARMv8.0, `neon::dot_quant_bits_sdot`
-with `dotprod`), it finds the kernel's main loop (the loop with the most `fmla` by element: one
+integer GEMV kernel (`neon::dot_quant_bits`, one row, and `neon::dot_quant_rows_bits`, rows one
+after another, on ARMv8.0; their `_sdot` twins with `dotprod`), it finds the kernel's main loop (the loop with the most `fmla` by element: one
 per 32-value block), tells its width from its instructions (`sshr #6`: INT2, `sshr #4`: INT4,
 else INT8), and runs `llvm-mca` on the loop body for each `--cpu` (LLVM's Cortex-A72 model is its
 Cortex-A57 one; a Raspberry Pi 4 has A72 cores, a Pi 3 A53 ones). It prints instructions and
@@ -22,19 +22,22 @@ import subprocess
 import sys
 
 BLOCK_BYTES = {8: 32, 4: 16, 2: 8}
+# One row at a time (beams of INT4/INT2 rows), and rows one after another (a decode step's GEMV).
+KERNELS = ["dot_quant_bits", "dot_quant_bits_sdot", "dot_quant_rows_bits", "dot_quant_rows_bits_sdot"]
 DIRECTIVE = re.compile(r"^\s*\.(cfi|p2align|loc|file)\b|^\s*//")
 BRANCH = re.compile(r"^\s*(b\.\w+|b|cbnz|cbz|tbnz|tbz)\s+(?:[^,]*,\s*)*(\.L\w+)\s*$")
 FMLA_LANE = re.compile(r"^\s*fmla\s+v\d+\.4s,\s*v\d+\.4s,\s*v\d+\.s\[\d\]")
 
 
 def functions(asm_lines, name):
-    """(symbol, body lines) of every function whose symbol holds `kernels4neon` and `name`."""
+    """(symbol, body lines) of every instance of the function `neon::name` (one per width)."""
+    mangled = f"kernels4neon{len(name)}{name}17h"
     symbol, body = None, []
     for line in asm_lines:
         if re.match(r"^_ZN\S*:$", line):
             if symbol:
                 yield symbol, body
-            symbol = line[:-1] if "kernels4neon" in line and name in line else None
+            symbol = line[:-1] if mangled in line else None
             body = []
         elif symbol is not None:
             if ".cfi_endproc" in line:
@@ -85,10 +88,8 @@ def main():
     cpus = args.cpu or ["cortex-a72"]
     lines = open(args.asm).read().splitlines()
     rows = []
-    for kernel in ["dot_quant_bits_sdot", "dot_quant_bits"]:
-        for symbol, body in functions(lines, kernel):
-            if kernel == "dot_quant_bits" and "dot_quant_bits_sdot" in symbol:
-                continue
+    for kernel in KERNELS:
+        for _, body in functions(lines, kernel):
             found = main_loop(body)
             if not found:
                 continue
@@ -98,12 +99,12 @@ def main():
             rows.append((kernel, bits, len(loop) / blocks, per_block))
     if not rows:
         sys.exit("no NEON GEMV kernel found: is this the aarch64 build's assembly?")
-    head = f"{'kernel':<22}{'width':>6}{'instr/block':>13}"
+    head = f"{'kernel':<26}{'width':>6}{'instr/block':>13}"
     for cpu in cpus:
         head += f"{cpu + ' cyc/block':>24}{'B/cycle':>9}{'GB/s @' + str(args.ghz):>11}"
     print(head)
-    for kernel, bits, instructions, per_block in sorted(rows, key=lambda r: (r[0], -r[1])):
-        line = f"{kernel:<22}{'INT' + str(bits):>6}{instructions:>13.1f}"
+    for kernel, bits, instructions, per_block in sorted(rows, key=lambda r: (KERNELS.index(r[0]), -r[1])):
+        line = f"{kernel:<26}{'INT' + str(bits):>6}{instructions:>13.1f}"
         for cycles in per_block:
             rate = BLOCK_BYTES[bits] / cycles
             line += f"{cycles:>24.2f}{rate:>9.2f}{rate * args.ghz:>11.2f}"

@@ -110,6 +110,9 @@ pub(crate) static KERNELS: Kernels = Kernels {
     },
     paired: false,
     dot_quant4: None,
+    dot_quant_rows: Some(|rows, bits, cols, x, row_scales, out| unsafe {
+        dot_quant_rows(rows, bits, cols, x, row_scales, out)
+    }),
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows(row, cols, xs, out) }),
     dot_f16_rows: Some(|row, x, cols, out| unsafe { dot_f16_rows(row, x, cols, out) }),
     dot_bf16_rows: None,
@@ -137,6 +140,9 @@ pub(crate) static KERNELS_VNNI: Kernels = Kernels {
     },
     paired: false,
     dot_quant4: None,
+    dot_quant_rows: Some(|rows, bits, cols, x, row_scales, out| unsafe {
+        dot_quant_rows_vnni(rows, bits, cols, x, row_scales, out)
+    }),
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows_vnni(row, cols, xs, out) }),
     dot_f16_rows: Some(|row, x, cols, out| unsafe { dot_f16_rows(row, x, cols, out) }),
     dot_bf16_rows: None,
@@ -244,6 +250,68 @@ fn dot_quant_vnni(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) ->
             QuantBits::Int4 => dot_quant_bits_vnni::<4>(row, cols, x),
             QuantBits::Int2 => dot_quant_bits_vnni::<2>(row, cols, x),
         }
+    }
+}
+
+/// [`Kernels::dot_quant_rows`] of [`KERNELS`]: [`dot_quant`] of each row times its scale, the
+/// width matched once.
+#[target_feature(enable = "avx2,fma")]
+fn dot_quant_rows(
+    rows: &[u8],
+    bits: QuantBits,
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    // SAFETY (all three): the caller's CPU has every feature this function enables.
+    unsafe {
+        match bits {
+            QuantBits::Int8 => quant_rows::<8, MADD>(rows, cols, x, row_scales, out),
+            QuantBits::Int4 => quant_rows::<4, MADD>(rows, cols, x, row_scales, out),
+            QuantBits::Int2 => quant_rows::<2, MADD>(rows, cols, x, row_scales, out),
+        }
+    }
+}
+
+/// [`dot_quant_rows`] on `vpdpbusd` ([`dot_quant_vnni`] of each row).
+#[target_feature(enable = "avx2,fma,avxvnni")]
+fn dot_quant_rows_vnni(
+    rows: &[u8],
+    bits: QuantBits,
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    // SAFETY (all three): the caller's CPU has every feature this function enables.
+    unsafe {
+        match bits {
+            QuantBits::Int8 => quant_rows::<8, AVX_VNNI>(rows, cols, x, row_scales, out),
+            QuantBits::Int4 => quant_rows::<4, AVX_VNNI>(rows, cols, x, row_scales, out),
+            QuantBits::Int2 => quant_rows::<2, AVX_VNNI>(rows, cols, x, row_scales, out),
+        }
+    }
+}
+
+/// `out[r] = row_scales[r] × ` [`dot_quant_body`] of row `r` of `rows`, for one width.
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2, FMA and the features `SUM` needs.
+#[inline(always)]
+unsafe fn quant_rows<const BITS: usize, const SUM: u8>(
+    rows: &[u8],
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    let row_bytes = super::bits_of(BITS).row_bytes(cols);
+    assert_eq!(rows.len(), out.len() * row_bytes, "{} rows", out.len());
+    assert!(row_scales.len() >= out.len());
+    for ((row, &scale), y) in rows.chunks_exact(row_bytes).zip(row_scales).zip(out) {
+        // SAFETY: see the function's contract.
+        *y = scale * unsafe { dot_quant_body::<BITS, SUM>(row, cols, x) };
     }
 }
 
@@ -483,11 +551,7 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
 ) -> f32 {
     // SAFETY: the intrinsics need AVX2/FMA (and VNNI), which the callers enable (see above).
     unsafe {
-        let bits = match BITS {
-            8 => QuantBits::Int8,
-            4 => QuantBits::Int4,
-            _ => QuantBits::Int2,
-        };
+        let bits = super::bits_of(BITS);
         let full = cols / BLOCK;
         let block_bytes = BLOCK * BITS / 8;
         assert!(row.len() >= full * block_bytes && x.codes.len() >= full * BLOCK);

@@ -231,6 +231,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     },
     paired: true,
     dot_quant4: Some(dot_quant4),
+    dot_quant_rows: None,
     // SAFETY: `KERNELS` is only chosen when `gemv_supported()` said yes.
     dot_int8_rows: Some(|row, cols, xs, out| unsafe {
         avx2::dot_int8_rows_evex_vnni(row, cols, xs, out)

@@ -152,6 +152,15 @@ pub(crate) fn pair_blocks(
     }
 }
 
+/// The width of a kernel specialised by its bits (`BITS` 8, 4 or 2).
+pub(crate) const fn bits_of(bits: usize) -> QuantBits {
+    match bits {
+        8 => QuantBits::Int8,
+        4 => QuantBits::Int4,
+        _ => QuantBits::Int2,
+    }
+}
+
 /// Zero point the AVX2 kernels add to INT4/INT2 codes to make them unsigned.
 pub(crate) fn zero_point(bits: QuantBits) -> i32 {
     match bits {
@@ -166,6 +175,11 @@ pub(crate) type DotQuant = fn(&[u8], QuantBits, usize, &QuantRow<'_>) -> f32;
 /// [`DotQuant`] for four rows of one matrix at once (sharing the activations' loads), each
 /// result bit for bit the one [`DotQuant`] of the same set gives that row.
 pub(crate) type DotQuant4 = fn([&[u8]; 4], QuantBits, usize, &QuantRow<'_>) -> [f32; 4];
+/// [`DotQuant`] of consecutive rows of one matrix (`rows`: `out.len()` packed rows) with one
+/// activation row, each times its row's scale: `out[r] = row_scales[r] × dot(row r)`, bit for
+/// bit [`DotQuant`] of the same set row by row, with the width matched once instead of per row
+/// (on short rows, the dispatch and checks around each row cost as much as a few blocks).
+pub(crate) type DotQuantRows = fn(&[u8], QuantBits, usize, &QuantRow<'_>, &[f32], &mut [f32]);
 /// [`DotQuant`] of one INT8 row with several activation rows (`out[i]` for `xs[i]`), each
 /// weight block loaded once for all of them; each result bit for bit the one [`DotQuant`] of
 /// the same set gives (beams, where the products are bound by arithmetic, not memory).
@@ -214,6 +228,8 @@ pub(crate) struct Kernels {
     pub paired: bool,
     /// Four rows at once, where the set has such a kernel.
     pub dot_quant4: Option<DotQuant4>,
+    /// Rows one after another with one dispatch, where the set has such a kernel.
+    pub dot_quant_rows: Option<DotQuantRows>,
     /// One INT8 row with several activation rows at once, where the set has such a kernel.
     pub dot_int8_rows: Option<DotInt8Rows>,
     /// One f16 row with several activation rows at once, where the set has such a kernel.
@@ -235,6 +251,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     quantize_activations: scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_quant_rows: None,
     dot_int8_rows: None,
     dot_f16_rows: None,
     dot_bf16_rows: None,

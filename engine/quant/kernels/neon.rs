@@ -122,6 +122,9 @@ pub(crate) static KERNELS: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_quant_rows: Some(|rows, bits, cols, x, row_scales, out| unsafe {
+        dot_quant_rows(rows, bits, cols, x, row_scales, out)
+    }),
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows(row, cols, xs, out) }),
     dot_f16_rows: Some(|row, x, cols, out| unsafe { half_rows::<false>(row, x, cols, out) }),
     dot_bf16_rows: Some(|row, x, cols, out| unsafe { half_rows::<true>(row, x, cols, out) }),
@@ -143,6 +146,9 @@ pub(crate) static KERNELS_DOTPROD: Kernels = Kernels {
     quantize_activations: super::scalar::quantize_activations,
     paired: false,
     dot_quant4: None,
+    dot_quant_rows: Some(|rows, bits, cols, x, row_scales, out| unsafe {
+        dot_quant_rows_sdot(rows, bits, cols, x, row_scales, out)
+    }),
     dot_int8_rows: Some(|row, cols, xs, out| unsafe { dot_int8_rows_sdot(row, cols, xs, out) }),
     dot_f16_rows: Some(|row, x, cols, out| unsafe { half_rows::<false>(row, x, cols, out) }),
     dot_bf16_rows: Some(|row, x, cols, out| unsafe { half_rows::<true>(row, x, cols, out) }),
@@ -227,6 +233,60 @@ fn dot_quant_bits<const BITS: usize>(row: &[u8], cols: usize, codes: &[i8], scal
     unsafe { dot_quant_body::<BITS, false>(row, cols, codes, scales) }
 }
 
+/// [`Kernels::dot_quant_rows`] of [`KERNELS`]: [`dot_quant_rows_bits`] for the rows' width.
+#[target_feature(enable = "neon")]
+fn dot_quant_rows(
+    rows: &[u8],
+    bits: QuantBits,
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    match bits {
+        QuantBits::Int8 => dot_quant_rows_bits::<8>(rows, cols, x, row_scales, out),
+        QuantBits::Int4 => dot_quant_rows_bits::<4>(rows, cols, x, row_scales, out),
+        QuantBits::Int2 => dot_quant_rows_bits::<2>(rows, cols, x, row_scales, out),
+    }
+}
+
+/// ARMv8.0: `out[r] = row_scales[r] × ` [`dot_quant_bits`] of row `r` of `rows`, one function
+/// per width (out of line, as [`dot_quant_bits`]).
+#[target_feature(enable = "neon")]
+#[inline(never)]
+fn dot_quant_rows_bits<const BITS: usize>(
+    rows: &[u8],
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    // SAFETY: NEON is part of the aarch64 baseline.
+    unsafe { quant_rows::<BITS, false>(rows, cols, x, row_scales, out) }
+}
+
+/// The loop over rows of [`dot_quant_rows_bits`] (and, where `SDOT`,
+/// [`dot_quant_rows_bits_sdot`]).
+///
+/// # Safety
+/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`.
+#[inline(always)]
+unsafe fn quant_rows<const BITS: usize, const SDOT: bool>(
+    rows: &[u8],
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    let row_bytes = super::bits_of(BITS).row_bytes(cols);
+    assert_eq!(rows.len(), out.len() * row_bytes, "{} rows", out.len());
+    assert!(row_scales.len() >= out.len());
+    for ((row, &scale), y) in rows.chunks_exact(row_bytes).zip(row_scales).zip(out) {
+        // SAFETY: see the function's contract.
+        *y = scale * unsafe { dot_quant_body::<BITS, SDOT>(row, cols, x.codes, x.scales) };
+    }
+}
+
 /// A packed row of `BITS`-bit codes dotted with one activation row: each block's integer sums
 /// (`sdot` where `SDOT`) times its activation scale, added into four accumulators in turn (block
 /// `b` into accumulator `b mod 4`; the blocks past the last whole four into the first), so that
@@ -243,11 +303,7 @@ unsafe fn dot_quant_body<const BITS: usize, const SDOT: bool>(
     codes: &[i8],
     scales: &[f32],
 ) -> f32 {
-    let bits = match BITS {
-        8 => QuantBits::Int8,
-        4 => QuantBits::Int4,
-        _ => QuantBits::Int2,
-    };
+    let bits = super::bits_of(BITS);
     let full = cols / BLOCK;
     let block_bytes = BLOCK * BITS / 8;
     assert!(row.len() >= full * block_bytes && codes.len() >= full * BLOCK);
@@ -338,6 +394,38 @@ fn dot_quant_bits_sdot<const BITS: usize>(
 ) -> f32 {
     // SAFETY: the caller's CPU has `dotprod` (this function's target feature).
     unsafe { dot_quant_body::<BITS, true>(row, cols, codes, scales) }
+}
+
+/// [`Kernels::dot_quant_rows`] of [`KERNELS_DOTPROD`]: [`dot_quant_rows_bits_sdot`] for the
+/// rows' width.
+#[target_feature(enable = "neon,dotprod")]
+fn dot_quant_rows_sdot(
+    rows: &[u8],
+    bits: QuantBits,
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    match bits {
+        QuantBits::Int8 => dot_quant_rows_bits_sdot::<8>(rows, cols, x, row_scales, out),
+        QuantBits::Int4 => dot_quant_rows_bits_sdot::<4>(rows, cols, x, row_scales, out),
+        QuantBits::Int2 => dot_quant_rows_bits_sdot::<2>(rows, cols, x, row_scales, out),
+    }
+}
+
+/// `dotprod`: [`dot_quant_rows_bits`] on [`sdot_block_sums`].
+#[target_feature(enable = "neon,dotprod")]
+#[inline(never)]
+fn dot_quant_rows_bits_sdot<const BITS: usize>(
+    rows: &[u8],
+    cols: usize,
+    x: &QuantRow<'_>,
+    row_scales: &[f32],
+    out: &mut [f32],
+) {
+    // SAFETY: the caller's CPU has `dotprod` (this function's target feature).
+    unsafe { quant_rows::<BITS, true>(rows, cols, x, row_scales, out) }
 }
 
 /// Four f16 values widened to f32 (`fcvtl`, ARMv8.0; the intrinsic needs the unstable `f16`).
@@ -681,11 +769,7 @@ fn unpack_row(src: &[u8], bits: QuantBits, cols: usize, dst: &mut [u8]) {
 /// Only inlined into functions that enable NEON.
 #[inline(always)]
 unsafe fn unpack_row_bits<const BITS: usize>(src: &[u8], cols: usize, dst: &mut [u8]) {
-    let bits = match BITS {
-        8 => QuantBits::Int8,
-        4 => QuantBits::Int4,
-        _ => QuantBits::Int2,
-    };
+    let bits = super::bits_of(BITS);
     let (full, block_bytes) = (cols / BLOCK, BLOCK * BITS / 8);
     for (w, out) in src
         .chunks_exact(block_bytes)
