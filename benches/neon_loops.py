@@ -48,16 +48,22 @@ def functions(asm_lines, name):
 
 
 def main_loop(body):
-    """The body of the loop (label to backward branch) with the most `fmla` by element."""
+    """The body of the innermost loop (label to backward branch, no loop inside it) with the
+    most `fmla` by element: the loop over blocks, not the one over rows around it."""
     labels = {line[:-1]: i for i, line in enumerate(body) if re.match(r"^\.L\w+:$", line)}
-    best = None
+    loops = []
     for i, line in enumerate(body):
         m = BRANCH.match(line)
         if m and m.group(2) in labels and labels[m.group(2)] < i:
-            loop = [l for l in body[labels[m.group(2)] + 1 : i + 1] if not l.endswith(":")]
-            blocks = sum(1 for l in loop if FMLA_LANE.match(l))
-            if blocks and (best is None or blocks > best[1]):
-                best = (loop, blocks)
+            loops.append((labels[m.group(2)], i))
+    best = None
+    for start, end in loops:
+        if any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops):
+            continue
+        loop = [l for l in body[start + 1 : end + 1] if not l.endswith(":")]
+        blocks = sum(1 for l in loop if FMLA_LANE.match(l))
+        if blocks and (best is None or blocks > best[1]):
+            best = (loop, blocks)
     return best
 
 
