@@ -13,11 +13,13 @@ cycles per block, and the bytes of weights per cycle that gives; at a clock of `
   deploy/build-aarch64.sh rustc --release --lib -- --emit asm -C codegen-units=1
   benches/neon_loops.py target/aarch64/aarch64-unknown-linux-gnu/release/deps/edgemoe-*.s
 
-llvm-mca models the core's pipelines, not its caches or memory: a loop that needs fewer cycles
-per byte than memory delivers is bound by memory on the board instead.
+Needs `llvm-mca` (Debian's `llvm` package). llvm-mca models the core's pipelines, not its
+caches or memory: a loop that needs fewer cycles per byte than memory delivers is bound by
+memory on the board instead.
 """
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 
@@ -78,6 +80,8 @@ def width(loop):
 
 def mca_cycles(loop, cpu, iterations=400):
     source = "\n".join(loop) + "\n"
+    if shutil.which("llvm-mca") is None:
+        sys.exit("llvm-mca is missing: apt-get install llvm")
     out = subprocess.run(
         ["llvm-mca", "-mtriple=aarch64", f"-mcpu={cpu}", "-mattr=+dotprod",
          f"-iterations={iterations}"],
