@@ -736,17 +736,13 @@ pub(crate) fn gemv(
             }
             return;
         }
-        // One activation row: four weight rows at a time where the kernel set can (the same
-        // results as one by one), the rest in one call where it can, else one by one.
+        // One activation row: integer rows by the set's several-row kernels where it has them
+        // (the same results as one by one), the rest one by one.
         let done = if n == 1 {
-            four_row_dots(k, &w, first_row, &acts, cols, dst)
+            quant_row_dots(k, &w, first_row, &acts, cols, dst)
         } else {
             0
         };
-        if n == 1 && quant_rows_in_one_call(k, &w, first_row + done, &acts, cols, &mut dst[done..])
-        {
-            return;
-        }
         for (i, y) in dst.chunks_exact_mut(n).enumerate().skip(done) {
             let r = first_row + i;
             row_dots(k, &w, r, &acts, cols, y);
@@ -775,10 +771,11 @@ pub(crate) fn gemv(
     Ok(())
 }
 
-/// Rows `first_row..` of `w` dotted four at a time with one activation row into `dst` (one
-/// output per row) by the set's [`Kernels::dot_quant4`]; returns how many rows it computed
-/// (none without such a kernel or for a float format).
-fn four_row_dots(
+/// Rows `first_row..` of `w` dotted with one activation row into `dst` (one output per row):
+/// four at a time by the set's [`Kernels::dot_quant4`], then the rest in one call by its
+/// [`Kernels::dot_quant_rows`], as far as the set has them; returns how many rows it computed
+/// (from the first; none for a float format).
+fn quant_row_dots(
     k: &Kernels,
     w: &MatrixRef<'_>,
     first_row: usize,
@@ -786,48 +783,46 @@ fn four_row_dots(
     cols: usize,
     dst: &mut [f32],
 ) -> usize {
-    let (Some(dot4), MatrixFormat::Quant(bits)) = (k.dot_quant4, w.format) else {
+    let MatrixFormat::Quant(bits) = w.format else {
         return 0;
     };
     let Some(x) = acts.quant_row(k, bits, cols, 0) else {
         return 0;
     };
-    for (i, ys) in dst.chunks_exact_mut(4).enumerate() {
-        let r = first_row + 4 * i;
-        let dots = dot4(
-            [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)],
+    let mut done = 0;
+    if let Some(dot4) = k.dot_quant4 {
+        for (i, ys) in dst.chunks_exact_mut(4).enumerate() {
+            let r = first_row + 4 * i;
+            let dots = dot4(
+                [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)],
+                bits,
+                cols,
+                &x,
+            );
+            for (j, (y, dot)) in ys.iter_mut().zip(dots).enumerate() {
+                *y = w.scales[r + j] * dot;
+            }
+        }
+        done = dst.len() / 4 * 4;
+    }
+    if let Some(dots) = k.dot_quant_rows {
+        let (row_bytes, start, end) = (
+            bits.row_bytes(cols),
+            first_row + done,
+            first_row + dst.len(),
+        );
+        let rows = &w.data[start * row_bytes..end * row_bytes];
+        dots(
+            rows,
             bits,
             cols,
             &x,
+            &w.scales[start..end],
+            &mut dst[done..],
         );
-        for (j, (y, dot)) in ys.iter_mut().zip(dots).enumerate() {
-            *y = w.scales[r + j] * dot;
-        }
+        done = dst.len();
     }
-    dst.len() / 4 * 4
-}
-
-/// Rows `first_row..` of `w` (one output per row in `dst`) dotted with one activation row by
-/// the set's [`Kernels::dot_quant_rows`]; false (nothing computed) without such a kernel or for
-/// a float format.
-fn quant_rows_in_one_call(
-    k: &Kernels,
-    w: &MatrixRef<'_>,
-    first_row: usize,
-    acts: &Activations<'_>,
-    cols: usize,
-    dst: &mut [f32],
-) -> bool {
-    let (Some(dots), MatrixFormat::Quant(bits)) = (k.dot_quant_rows, w.format) else {
-        return false;
-    };
-    let Some(x) = acts.quant_row(k, bits, cols, 0) else {
-        return false;
-    };
-    let (row_bytes, end) = (bits.row_bytes(cols), first_row + dst.len());
-    let rows = &w.data[first_row * row_bytes..end * row_bytes];
-    dots(rows, bits, cols, &x, &w.scales[first_row..end], dst);
-    true
+    done
 }
 
 /// Row `r` of `w` dotted with each of the `y.len()` activation rows.
