@@ -7,15 +7,17 @@
 #   RUNS="f32 f32;f32 int4" benches/widths_rouge.sh   # only these experts|resident pairs
 #   RUNS="f32 f32;8 int8 int8" benches/widths_rouge.sh  # a third field: the run's --kv-cache
 #   (the first pair, f32 f32, is the reference the others are compared with)
+#   EDGEMOE_BIN=/tmp/edgemoe-before benches/widths_rouge.sh 200 target/widths-before
+#   (another build, not rebuilt; bundles are converted by it, so give each build its own OUT_DIR)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 n="${1:-200}"
 out="${2:-target/widths}"
-bin="$root/target/release/edgemoe"
+bin="${EDGEMOE_BIN:-$root/target/release/edgemoe}"
 ckpt="$root/../shared/models/switch-samsum-tiny"
 data="$root/../shared/data/samsum/test.jsonl"
-cargo build --release --quiet
+[ -n "${EDGEMOE_BIN:-}" ] || cargo build --release --quiet
 mkdir -p "$out"
 # experts (--bits) | resident (--resident)
 runs=("f32 f32" "f16 f16" "bf16 bf16" "f32 int8" "8 f32" "4 f32" "8 int8" "4 int8" "f32 int4" "4 int4")

@@ -1072,9 +1072,10 @@ mod tests {
         let (rows, cols) = (w.rows(), w.cols());
         let mut dq = vec![0f32; rows * cols];
         w.dequantize_rows(0, rows, &mut dq).unwrap();
-        // Values sharing one activation scale: a block, or INT2's groups of 8 blocks.
+        // Values sharing one activation scale: a block, or INT2's and INT4's groups of 8
+        // blocks (256 values, llama.cpp's `Q8_K`).
         let group = match w.format() {
-            MatrixFormat::Quant(QuantBits::Int2) => 8 * BLOCK,
+            MatrixFormat::Quant(QuantBits::Int2 | QuantBits::Int4) => 8 * BLOCK,
             _ => BLOCK,
         };
         let xs: Vec<f64> = match w.format() {

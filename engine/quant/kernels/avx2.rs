@@ -506,35 +506,97 @@ unsafe fn quant_block<const BITS: usize, const SUM: u8>(
     // SAFETY: see the function's contract.
     unsafe {
         let xv = _mm256_loadu_si256(x.codes.as_ptr().add(b * BLOCK).cast());
-        let sums = match BITS {
-            8 => {
-                let wv = _mm256_loadu_si256(w.add(b * 32).cast());
-                // |w| · (x signed by w): the same products with an unsigned left
-                // operand; |w| ≤ 128 and |x| ≤ 127, so `maddubs`'s i16 pairs cannot saturate.
-                let magnitude = _mm256_sign_epi8(wv, wv);
-                unsigned_products::<SUM>(magnitude, _mm256_sign_epi8(xv, wv))
-            }
-            4 => {
-                let v = _mm_loadu_si128(w.add(b * 16).cast());
-                let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-                let u = _mm256_xor_si256(
-                    _mm256_and_si256(both, _mm256_set1_epi8(0x0f)),
-                    _mm256_set1_epi8(0x08),
-                );
-                unsigned_products::<SUM>(u, xv)
-            }
-            _ => {
-                // The block's 8 bytes in each 64-bit lane, lane k shifted to field k.
-                let v = _mm256_set1_epi64x(w.add(b * 8).cast::<i64>().read_unaligned());
-                let fields = _mm256_and_si256(
-                    _mm256_srlv_epi64(v, _mm256_set_epi64x(6, 4, 2, 0)),
-                    _mm256_set1_epi8(0x03),
-                );
-                let u = _mm256_xor_si256(fields, _mm256_set1_epi8(0x02));
-                unsigned_products::<SUM>(u, xv)
-            }
+        let sums = if BITS == 8 {
+            let wv = _mm256_loadu_si256(w.add(b * 32).cast());
+            // |w| · (x signed by w): the same products with an unsigned left operand;
+            // |w| ≤ 128 and |x| ≤ 127, so `maddubs`'s i16 pairs cannot saturate.
+            let magnitude = _mm256_sign_epi8(wv, wv);
+            unsigned_products::<SUM>(magnitude, _mm256_sign_epi8(xv, wv))
+        } else {
+            unsigned_products::<SUM>(unsigned_codes::<BITS>(w, b), xv)
         };
         let scale = _mm256_broadcast_ss(&*x.scales.as_ptr().add(b));
+        (_mm256_cvtepi32_ps(sums), scale)
+    }
+}
+
+/// The 32 codes of INT4 or INT2 block `b` plus their zero point (unsigned, for `maddubs` and
+/// `vpdpbusd`), in the order of the activation codes ([`super::block_order`]).
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2; block `b` lies inside `w`.
+#[inline(always)]
+unsafe fn unsigned_codes<const BITS: usize>(w: *const u8, b: usize) -> __m256i {
+    // SAFETY: see the function's contract.
+    unsafe {
+        if BITS == 4 {
+            let v = _mm_loadu_si128(w.add(b * 16).cast());
+            let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+            _mm256_xor_si256(
+                _mm256_and_si256(both, _mm256_set1_epi8(0x0f)),
+                _mm256_set1_epi8(0x08),
+            )
+        } else {
+            // The block's 8 bytes in each 64-bit lane, lane k shifted to field k.
+            let v = _mm256_set1_epi64x(w.add(b * 8).cast::<i64>().read_unaligned());
+            let fields = _mm256_and_si256(
+                _mm256_srlv_epi64(v, _mm256_set_epi64x(6, 4, 2, 0)),
+                _mm256_set1_epi8(0x03),
+            );
+            _mm256_xor_si256(fields, _mm256_set1_epi8(0x02))
+        }
+    }
+}
+
+/// INT4 or INT2 blocks `first .. first + GROUP` (one activation scale group,
+/// [`super::scale_group`]) against the activations: the group's 8 partial sums as f32, summed
+/// in integers, and its scale broadcast. With `maddubs` the blocks' i16 pair sums are added
+/// before one `madd`: a pair is at most 2 × 15 × 127 (INT4), so eight of them stay below 2^15;
+/// with `vpdpbusd` the blocks accumulate in i32. Either way the sum is exact, so the result is
+/// [`quant_block`]'s for each block in turn up to the float rounding of their sum.
+///
+/// # Safety
+/// Only inlined into functions that enable AVX2 and the features `SUM` needs; the group lies
+/// inside `w`, `x.codes` and `x.scales`.
+#[inline(always)]
+unsafe fn quant_group<const BITS: usize, const SUM: u8>(
+    w: *const u8,
+    x: &QuantRow<'_>,
+    first: usize,
+) -> (__m256, __m256) {
+    const GROUP: usize = 8;
+    // SAFETY: see the function's contract.
+    unsafe {
+        let codes = |b: usize| _mm256_loadu_si256(x.codes.as_ptr().add(b * BLOCK).cast());
+        let sums = match SUM {
+            AVX_VNNI | EVEX_VNNI => {
+                // Two chains, so that each `vpdpbusd` waits on the one before last.
+                let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for b in (first..first + GROUP).step_by(2) {
+                    let (u0, u1) = (
+                        unsigned_codes::<BITS>(w, b),
+                        unsigned_codes::<BITS>(w, b + 1),
+                    );
+                    if SUM == AVX_VNNI {
+                        even = _mm256_dpbusd_avx_epi32(even, u0, codes(b));
+                        odd = _mm256_dpbusd_avx_epi32(odd, u1, codes(b + 1));
+                    } else {
+                        even = _mm256_dpbusd_epi32(even, u0, codes(b));
+                        odd = _mm256_dpbusd_epi32(odd, u1, codes(b + 1));
+                    }
+                }
+                _mm256_add_epi32(even, odd)
+            }
+            _ => {
+                let mut pairs = _mm256_setzero_si256();
+                for b in first..first + GROUP {
+                    let products = _mm256_maddubs_epi16(unsigned_codes::<BITS>(w, b), codes(b));
+                    pairs = _mm256_add_epi16(pairs, products);
+                }
+                _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+            }
+        };
+        let scale = _mm256_broadcast_ss(&*x.scales.as_ptr().add(first));
         (_mm256_cvtepi32_ps(sums), scale)
     }
 }
@@ -566,9 +628,30 @@ unsafe fn dot_quant_body<const BITS: usize, const SUM: u8>(
             _mm256_setzero_ps(),
             _mm256_setzero_ps(),
         );
-        let quads = full / 4 * 4;
         let prefetch = BITS < 8 || prefetch_int8_rows();
-        for b in (0..quads).step_by(4) {
+        // INT4 and INT2: whole scale groups first, one conversion and one FMA each.
+        let grouped = if BITS < 8 {
+            const GROUP: usize = 8;
+            const { assert!(BITS == 8 || super::scale_group(super::bits_of(BITS)) == GROUP) };
+            let grouped = full / GROUP * GROUP;
+            for first in (0..grouped).step_by(2 * GROUP) {
+                let ahead = (first + 2 * GROUP) * block_bytes + PREFETCH_AHEAD;
+                for line in (0..2 * GROUP * block_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(ahead + line).cast());
+                }
+                let (p, s) = quant_group::<BITS, SUM>(w, x, first);
+                a0 = _mm256_fmadd_ps(p, s, a0);
+                if first + GROUP < grouped {
+                    let (p, s) = quant_group::<BITS, SUM>(w, x, first + GROUP);
+                    a1 = _mm256_fmadd_ps(p, s, a1);
+                }
+            }
+            grouped
+        } else {
+            0
+        };
+        let quads = grouped + (full - grouped) / 4 * 4;
+        for b in (grouped..quads).step_by(4) {
             // The next rows of a large matrix are far from the caches: ask for them early
             // (INT8 rows only where that pays, see `prefetch_int8_rows`), every cache line of
             // the step ahead: four INT8 blocks are two lines, INT4 and INT2 ones part of one.

@@ -255,7 +255,7 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 
 /// the group after the next one (`benches/matmul.rs` "from memory", Zen 4: 1 row gave the INT4
 /// LM head 14.9 GiB/s, 2 rows 16.0, 4 rows 16.2, 8 and 16 rows less again; the experts' 1 MiB
 /// matrices did best at 2).
-const LEAD: usize = 2;
+const LEAD: usize = 6;
 
 const LOW4: i64 = 0x0f0f_0f0f_0f0f_0f0f;
 const HIGH4: i64 = 0xf0f0_f0f0_f0f0_f0f0_u64 as i64;
@@ -269,9 +269,10 @@ const ZP_HIGH4: i64 = 0x8080_8080_8080_8080_u64 as i64;
 /// the 64 products, and one FMA applies the pair's 16 activation scales, which
 /// [`super::pair_blocks`] divided by each field's place value (exact: powers of two; the i32
 /// sums stay below 2^24, so converting them to f32 is exact too). Four vector instructions per
-/// 64 codes besides the loads; nothing moves across lanes. INT2 activations share one scale
-/// per 8 blocks ([`super::scale_group`]), so INT2 rows add four pairs' sums in integers and
-/// convert once: 2.5 instructions per 64 codes.
+/// 64 codes besides the loads; nothing moves across lanes. INT4 and INT2 activations share
+/// one scale per 8 blocks ([`super::scale_group`]), so a row adds four pairs' sums in integers
+/// and converts once: 2.5 instructions per 64 codes (only a row's last pairs short of a whole
+/// group take the four).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn dot_paired<const BITS: usize>(row: &[u8], cols: usize, x: &QuantRow<'_>) -> f32 {
     dot_paired_rows::<BITS, 1>([row], cols, x)[0]
@@ -343,9 +344,10 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
             }
         }
     };
-    // INT2: a quad of pairs (8 blocks) is one scale group (`scale_group`), so the integer sums
-    // of its four pairs are added in one register per row before one conversion and one FMA,
-    // into `acc[r][0]` (the i32 sums stay below 2^24: 16 products of at most 3 × 64 × 128).
+    // A quad of pairs (8 blocks) is one scale group (`scale_group`), so the integer sums of its
+    // four pairs are added in one register per row before one conversion and one FMA, into
+    // `acc[r][0]` (the i32 sums stay below 2^24: 16 products of at most 3 × 64 × 128 for INT2,
+    // 15 × 16 × 128 for INT4).
     // Always the first accumulator: one picked by the quad's number was kept on the stack, a
     // store and a load around every FMA (the expert in cache read 16.5 GiB/s that way, 19.9
     // this way).
@@ -357,7 +359,11 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
             for i in 0..4 {
                 let xv = _mm512_loadu_si512(x.codes.as_ptr().add((p + i) * 2 * BLOCK).cast());
                 for (w, sums) in w.iter().zip(sums.iter_mut()) {
-                    let v = _mm512_broadcast_i32x4(_mm_loadu_si128(w.add((p + i) * 16).cast()));
+                    let v = if BITS == 4 {
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add((p + i) * 32).cast()))
+                    } else {
+                        _mm512_broadcast_i32x4(_mm_loadu_si128(w.add((p + i) * 16).cast()))
+                    };
                     let unsigned = _mm512_ternarylogic_epi64::<0x6a>(v, field_mask, zero_point);
                     *sums = _mm512_dpbusd_epi32(*sums, unsigned, xv);
                 }
@@ -370,6 +376,7 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
         }
     };
     const { assert!(super::scale_group(QuantBits::Int2) == 8) };
+    const { assert!(super::scale_group(QuantBits::Int4) == 8) };
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let quads = pairs / 4;
     for q in 0..quads {
@@ -390,16 +397,10 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
             let quad_bytes = 4 * 2 * block_bytes;
             let next = w[R - 1].wrapping_add(LEAD * rows[R - 1].len() + q * R * quad_bytes);
             for line in (0..R * quad_bytes).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(line).cast());
             }
         }
-        if BITS == 2 {
-            group_step(p, &mut acc);
-        } else {
-            for j in 0..4 {
-                step(p + j, j, &mut acc);
-            }
-        }
+        group_step(p, &mut acc);
     }
     for p in quads * 4..pairs {
         step(p, 0, &mut acc);

@@ -58,15 +58,16 @@ pub(crate) fn prefetch_bytes(start: *const u8, len: usize) {
 pub(crate) const BLOCK: usize = 32;
 
 /// How many consecutive activation blocks share one scale for weights of `bits`: 8 for INT2
-/// (256 values, as llama.cpp's `Q8_K` rounds the activations of its 2- to 6-bit formats), 1
-/// otherwise. Blocks still carry one scale each (equal within a group), so every kernel reads
-/// them as before; the AVX-512 INT2 kernel adds a group's integer sums before it converts them,
-/// which is what lets it keep up with memory (one conversion and one FMA per 256 values
-/// instead of per 64). An INT2 weight's error is far above that of a coarser activation scale.
+/// and INT4 (256 values, as llama.cpp's `Q8_K` rounds the activations of its 2- to 6-bit
+/// formats), 1 for INT8. Blocks still carry one scale each (equal within a group), so every
+/// kernel reads them as before; the AVX-512 INT2/INT4 kernel adds a group's integer sums before
+/// it converts them, which is what lets it keep up with memory (one conversion and one FMA per
+/// 256 values instead of per 64). An INT2 or INT4 weight's error is far above that of a coarser
+/// activation scale (BENCHMARKS §9.10, §9.37).
 pub(crate) const fn scale_group(bits: QuantBits) -> usize {
     match bits {
-        QuantBits::Int2 => 8,
-        QuantBits::Int4 | QuantBits::Int8 => 1,
+        QuantBits::Int2 | QuantBits::Int4 => 8,
+        QuantBits::Int8 => 1,
     }
 }
 
@@ -280,10 +281,31 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     sets
 }
 
-/// The fastest kernel set this CPU can run (detected once).
+/// The fastest kernel set this CPU can run (detected once), or the one that
+/// `EDGEMOE_KERNELS=NAME` names among those it can run (to measure one set against another on
+/// one machine: `avx2` on an AVX-512 CPU, say); a name it cannot run is ignored with a warning.
 pub(crate) fn best() -> &'static Kernels {
     static BEST: OnceLock<&'static Kernels> = OnceLock::new();
-    BEST.get_or_init(|| *available().last().expect("the scalar set is always there"))
+    BEST.get_or_init(|| {
+        let sets = available();
+        let fastest = *sets.last().expect("the scalar set is always there");
+        let Some(wanted) = std::env::var_os("EDGEMOE_KERNELS") else {
+            return fastest;
+        };
+        match sets.iter().find(|k| wanted == k.name) {
+            Some(k) => k,
+            None => {
+                let names: Vec<&str> = sets.iter().map(|k| k.name).collect();
+                eprintln!(
+                    "warning: EDGEMOE_KERNELS={} is not a kernel set this CPU runs ({}); using {}",
+                    wanted.to_string_lossy(),
+                    names.join(", "),
+                    fastest.name
+                );
+                fastest
+            }
+        }
+    })
 }
 
 /// Every float GEMM kernel this CPU can run, the fastest last.
