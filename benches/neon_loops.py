@@ -3,10 +3,11 @@
 
 No board is at hand, so this reads the aarch64 build's assembly instead of timing it: for each
 integer GEMV kernel (`neon::dot_quant_bits`, one row, and `neon::dot_quant_rows_bits`, rows one
-after another, on ARMv8.0; their `_sdot` twins with `dotprod`), it finds the kernel's main loop (the loop with the most `fmla` by element: one
-per 32-value block), tells its width from its instructions (`sshr #6`: INT2, `sshr #4`: INT4,
-else INT8), and runs `llvm-mca` on the loop body for each `--cpu` (LLVM's Cortex-A72 model is its
-Cortex-A57 one; a Raspberry Pi 4 has A72 cores, a Pi 3 A53 ones). It prints instructions and
+after another, on ARMv8.0; their `_sdot` twins with `dotprod`), it finds the kernel's main loop
+(the innermost loop with the most blocks, counted by their products), tells its width from its
+instructions (`sshr #6`: INT2, `sshr #4`: INT4, else INT8), and runs `llvm-mca` on the loop body
+for each `--cpu` (LLVM's Cortex-A72 model is its Cortex-A57 one; a Raspberry Pi 4 has A72 cores,
+a Pi 3 A53 ones). It prints instructions and
 cycles per block, and the bytes of weights per cycle that gives; at a clock of `--ghz` (a Pi 4's
 1.8 GHz by default) that is the rate a core could read weights at if memory kept up.
 
@@ -28,7 +29,6 @@ BLOCK_BYTES = {8: 32, 4: 16, 2: 8}
 KERNELS = ["dot_quant_bits", "dot_quant_bits_sdot", "dot_quant_rows_bits", "dot_quant_rows_bits_sdot"]
 DIRECTIVE = re.compile(r"^\s*\.(cfi|p2align|loc|file)\b|^\s*//")
 BRANCH = re.compile(r"^\s*(b\.\w+|b|cbnz|cbz|tbnz|tbz)\s+(?:[^,]*,\s*)*(\.L\w+)\s*$")
-FMLA_LANE = re.compile(r"^\s*fmla\s+v\d+\.4s,\s*v\d+\.4s,\s*v\d+\.s\[\d\]")
 
 
 def functions(asm_lines, name):
@@ -51,7 +51,7 @@ def functions(asm_lines, name):
 
 def main_loop(body):
     """The body of the innermost loop (label to backward branch, no loop inside it) with the
-    most `fmla` by element: the loop over blocks, not the one over rows around it."""
+    most blocks ([`block_count`]): the loop over blocks, not the one over rows around it."""
     labels = {line[:-1]: i for i, line in enumerate(body) if re.match(r"^\.L\w+:$", line)}
     loops = []
     for i, line in enumerate(body):
@@ -63,10 +63,20 @@ def main_loop(body):
         if any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops):
             continue
         loop = [l for l in body[start + 1 : end + 1] if not l.endswith(":")]
-        blocks = sum(1 for l in loop if FMLA_LANE.match(l))
+        blocks = block_count(loop)
         if blocks and (best is None or blocks > best[1]):
             best = (loop, blocks)
     return best
+
+
+def block_count(loop):
+    """Blocks one pass of `loop` computes, counted by their products: a 32-code block takes
+    two `sdot`, or on ARMv8.0 two `smull` and two `smlal2` (or `smlal` on high halves moved by
+    `ext`), whatever its width. (Not by `fmla`:
+    INT4 and INT2 sum a scale group's 8 blocks in integers and take one `fmla` per group,
+    BENCHMARKS.md §9.37.)"""
+    ops = [l.split()[0] for l in loop if l.split()]
+    return ops.count("sdot") // 2 + (ops.count("smull") + ops.count("smlal") + ops.count("smlal2")) // 4
 
 
 def width(loop):

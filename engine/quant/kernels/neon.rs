@@ -191,6 +191,29 @@ fn widening_block_sums(w0: int8x16_t, w1: int8x16_t, x0: int8x16_t, x1: int8x16_
     vpadalq_s16(vpaddlq_s16(p0), p1)
 }
 
+/// `acc +` [`block_sums`]: a block's sums added to a scale group's, without a zeroed start.
+///
+/// # Safety
+/// As [`block_sums`].
+#[inline(always)]
+unsafe fn add_block_sums<const SDOT: bool>(
+    acc: int32x4_t,
+    (w0, w1): (int8x16_t, int8x16_t),
+    x: *const i8,
+) -> int32x4_t {
+    // SAFETY: see the function's contract.
+    unsafe {
+        let (x0, x1) = (vld1q_s8(x), vld1q_s8(x.add(16)));
+        if SDOT {
+            sdot(sdot(acc, w0, x0), w1, x1)
+        } else {
+            let p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), w0, x0);
+            let p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)), w1, x1);
+            vpadalq_s16(vpadalq_s16(acc, p0), p1)
+        }
+    }
+}
+
 /// Block `b` of a weight row (as [`unpack_block`] reads it) against block `b` of activation
 /// codes at `x`: its four i32 partial sums, by `sdot` where `SDOT`, else
 /// [`widening_block_sums`].
@@ -291,8 +314,9 @@ unsafe fn quant_rows<const BITS: usize, const SDOT: bool>(
 /// (`sdot` where `SDOT`) times its activation scale, added into four accumulators in turn (block
 /// `b` into accumulator `b mod 4`; the blocks past the last whole four into the first), so that
 /// consecutive blocks do not wait on each other's additions; then the four summed, and the
-/// partial block at the end, if any, by the scalar reference. [`int8_rows_body`] takes the very
-/// same steps.
+/// partial block at the end, if any, by the scalar reference. INT4 and INT2 rows take whole
+/// scale groups ([`super::scale_group`]) first, a group's blocks summed in integers before one
+/// conversion and one FMA. [`int8_rows_body`] takes the very same steps for INT8.
 ///
 /// # Safety
 /// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`.
@@ -319,8 +343,28 @@ unsafe fn dot_quant_body<const BITS: usize, const SDOT: bool>(
         vfmaq_n_f32(acc, vcvtq_f32_s32(sums), *s.add(b))
     };
     let mut acc = [vdupq_n_f32(0.0); 4];
-    let quads = full / 4 * 4;
-    for b in (0..quads).step_by(4) {
+    // INT4 and INT2: whole scale groups first, their blocks' sums added in integers (exact:
+    // at most 8 blocks × 8 products of 8 × 127 a lane), then one conversion and one FMA each,
+    // two groups at a time into accumulators 0 and 1.
+    let grouped = if BITS < 8 {
+        const GROUP: usize = 8;
+        const { assert!(BITS == 8 || super::scale_group(super::bits_of(BITS)) == GROUP) };
+        let groups = full / GROUP;
+        // SAFETY (all three): groups `g < groups` are whole blocks, inside the lengths asserted
+        // above; the caller enables the features.
+        for g in (0..groups / 2 * 2).step_by(2) {
+            acc[0] = unsafe { group_sums::<BITS, SDOT>(acc[0], w, x, s, g * GROUP) };
+            acc[1] = unsafe { group_sums::<BITS, SDOT>(acc[1], w, x, s, (g + 1) * GROUP) };
+        }
+        if groups % 2 == 1 {
+            acc[0] = unsafe { group_sums::<BITS, SDOT>(acc[0], w, x, s, (groups - 1) * GROUP) };
+        }
+        groups * GROUP
+    } else {
+        0
+    };
+    let quads = grouped + (full - grouped) / 4 * 4;
+    for b in (grouped..quads).step_by(4) {
         acc[0] = step(acc[0], b);
         acc[1] = step(acc[1], b + 1);
         acc[2] = step(acc[2], b + 2);
@@ -334,6 +378,34 @@ unsafe fn dot_quant_body<const BITS: usize, const SDOT: bool>(
         sum += scales[full] * reference::block_sum(row, bits, cols, full, codes) as f32;
     }
     sum
+}
+
+/// `acc +` the scale group of INT4 or INT2 blocks `first .. first + 8` of a row at `w` against
+/// the activation codes at `x` (scales at `s`): the blocks' sums added in integers, then one
+/// conversion and one FMA. A function, not a closure: LLVM left a closure of this size out of
+/// line (a call per group, the accumulators through the stack).
+///
+/// # Safety
+/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`; the group lies
+/// inside the row, the codes and the scales.
+#[inline(always)]
+unsafe fn group_sums<const BITS: usize, const SDOT: bool>(
+    acc: float32x4_t,
+    w: *const u8,
+    x: *const i8,
+    s: *const f32,
+    first: usize,
+) -> float32x4_t {
+    let block_bytes = BLOCK * BITS / 8;
+    // SAFETY: see the function's contract.
+    unsafe {
+        let mut sums = vdupq_n_s32(0);
+        for b in first..first + 8 {
+            let block = unpack_block::<BITS>(w.add(b * block_bytes));
+            sums = add_block_sums::<SDOT>(sums, block, x.add(b * BLOCK));
+        }
+        vfmaq_n_f32(acc, vcvtq_f32_s32(sums), *s.add(first))
+    }
 }
 
 /// The four accumulators of [`dot_quant_body`] summed: pairwise, then across lanes.
