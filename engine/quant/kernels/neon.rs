@@ -181,20 +181,14 @@ unsafe fn unpack_block<const BITS: usize>(w: *const u8) -> (int8x16_t, int8x16_t
     }
 }
 
-/// A block's products `w · x` (32 codes each, as two vectors) summed into four i32 lanes on
-/// ARMv8.0: widening multiplies (`|w| ≤ 128`, `|x| ≤ 127`: an i16 holds a sum of two products)
-/// and pairwise accumulation into i32. [`dot_quant`] and the several-row kernels share it.
-#[target_feature(enable = "neon")]
-fn widening_block_sums(w0: int8x16_t, w1: int8x16_t, x0: int8x16_t, x1: int8x16_t) -> int32x4_t {
-    let p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), w0, x0);
-    let p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)), w1, x1);
-    vpadalq_s16(vpaddlq_s16(p0), p1)
-}
-
-/// `acc +` [`block_sums`]: a block's sums added to a scale group's, without a zeroed start.
+/// `acc +` the products `w · x` of a block (32 codes each, as two vectors) summed into four i32
+/// lanes: by `sdot` where `SDOT`, else (ARMv8.0) by widening multiplies (`|w| ≤ 128`, `|x| ≤
+/// 127`: an i16 holds a sum of two products) accumulated pairwise into i32. A scale group of
+/// INT4/INT2 blocks accumulates them this way ([`group_sums`]); [`block_sums`] starts from zero.
 ///
 /// # Safety
-/// As [`block_sums`].
+/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`; `w` (the weight
+/// block's bytes) and the 32 codes at `x` are readable.
 #[inline(always)]
 unsafe fn add_block_sums<const SDOT: bool>(
     acc: int32x4_t,
@@ -215,26 +209,15 @@ unsafe fn add_block_sums<const SDOT: bool>(
 }
 
 /// Block `b` of a weight row (as [`unpack_block`] reads it) against block `b` of activation
-/// codes at `x`: its four i32 partial sums, by `sdot` where `SDOT`, else
-/// [`widening_block_sums`].
+/// codes at `x`: its four i32 partial sums ([`add_block_sums`] from zero). [`dot_quant_body`]
+/// and the several-row kernels share it.
 ///
 /// # Safety
-/// Only inlined into functions that enable NEON, and `dotprod` where `SDOT`; `w` (the weight
-/// block's bytes) and the 32 codes at `x` are readable.
+/// As [`add_block_sums`].
 #[inline(always)]
-unsafe fn block_sums<const SDOT: bool>(
-    (w0, w1): (int8x16_t, int8x16_t),
-    x: *const i8,
-) -> int32x4_t {
+unsafe fn block_sums<const SDOT: bool>(block: (int8x16_t, int8x16_t), x: *const i8) -> int32x4_t {
     // SAFETY: see the function's contract.
-    unsafe {
-        let (x0, x1) = (vld1q_s8(x), vld1q_s8(x.add(16)));
-        if SDOT {
-            sdot_block_sums(w0, w1, x0, x1)
-        } else {
-            widening_block_sums(w0, w1, x0, x1)
-        }
-    }
+    unsafe { add_block_sums::<SDOT>(vdupq_n_s32(0), block, x) }
 }
 
 /// ARMv8.0: [`dot_quant_bits`] for the row's width.
@@ -247,7 +230,7 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f
     }
 }
 
-/// ARMv8.0: [`dot_quant_body`] on [`widening_block_sums`], one function per width (kept out of
+/// ARMv8.0: [`dot_quant_body`] on widening multiplies ([`add_block_sums`]), one function per width (kept out of
 /// line: one symbol per width in a profile, and for `benches/neon_loops.py`).
 #[target_feature(enable = "neon")]
 #[inline(never)]
@@ -438,12 +421,6 @@ fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
-/// [`widening_block_sums`] on `sdot`. [`dot_quant_sdot`] and the several-row kernels share it.
-#[target_feature(enable = "neon,dotprod")]
-fn sdot_block_sums(w0: int8x16_t, w1: int8x16_t, x0: int8x16_t, x1: int8x16_t) -> int32x4_t {
-    sdot(sdot(vdupq_n_s32(0), w0, x0), w1, x1)
-}
-
 /// `dotprod`: [`dot_quant_bits_sdot`] for the row's width.
 #[target_feature(enable = "neon,dotprod")]
 fn dot_quant_sdot(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
@@ -454,7 +431,7 @@ fn dot_quant_sdot(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales
     }
 }
 
-/// `dotprod`: [`dot_quant_body`] on [`sdot_block_sums`], one function per width (as
+/// `dotprod`: [`dot_quant_body`] on `sdot` ([`add_block_sums`]), one function per width (as
 /// [`dot_quant_bits`]).
 #[target_feature(enable = "neon,dotprod")]
 #[inline(never)]
@@ -486,7 +463,7 @@ fn dot_quant_rows_sdot(
     }
 }
 
-/// `dotprod`: [`dot_quant_rows_bits`] on [`sdot_block_sums`].
+/// `dotprod`: [`dot_quant_rows_bits`] on `sdot` ([`add_block_sums`]).
 #[target_feature(enable = "neon,dotprod")]
 #[inline(never)]
 fn dot_quant_rows_bits_sdot<const BITS: usize>(
