@@ -72,9 +72,8 @@ def main_loop(body):
 def block_count(loop):
     """Blocks one pass of `loop` computes, counted by their products: a 32-code block takes
     two `sdot`, or on ARMv8.0 two `smull` and two `smlal2` (or `smlal` on high halves moved by
-    `ext`), whatever its width. (Not by `fmla`:
-    INT4 and INT2 sum a scale group's 8 blocks in integers and take one `fmla` per group,
-    BENCHMARKS.md §9.37.)"""
+    `ext`), whatever its width. (Not by `fmla`: INT4 and INT2 sum a scale group's 8 blocks in
+    integers and take one `fmla` per group, BENCHMARKS.md §9.37.)"""
     ops = [l.split()[0] for l in loop if l.split()]
     return ops.count("sdot") // 2 + (ops.count("smull") + ops.count("smlal") + ops.count("smlal2")) // 4
 

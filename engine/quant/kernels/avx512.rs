@@ -251,10 +251,12 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, x: &QuantRow<'_>) -> f32 
     }
 }
 
-/// How many rows past the last of a group of rows [`dot_paired_rows`] starts prefetching:
-/// the group after the next one (`benches/matmul.rs` "from memory", Zen 4: 1 row gave the INT4
-/// LM head 14.9 GiB/s, 2 rows 16.0, 4 rows 16.2, 8 and 16 rows less again; the experts' 1 MiB
-/// matrices did best at 2).
+/// How many rows past the last of a group of rows [`dot_paired_rows`] starts prefetching (into
+/// L2: `prefetcht1`). Since a group's four pairs take one conversion (BENCHMARKS.md §9.37), the
+/// loop outruns `prefetcht0` from 2 rows on (`benches/matmul.rs` "from memory", Zen 4, expert /
+/// LM head: 14–16 / 17–18 GiB/s against the old loop's 20 / 21–22); `prefetcht1` from 2 rows on
+/// read 18–19 / 19–21, from 4 rows 21–23 / 23–24, from 6 rows 21 / 26, from 8 rows 21–22 /
+/// 24–27.
 const LEAD: usize = 6;
 
 const LOW4: i64 = 0x0f0f_0f0f_0f0f_0f0f;

@@ -230,8 +230,8 @@ fn dot_quant(row: &[u8], bits: QuantBits, cols: usize, codes: &[i8], scales: &[f
     }
 }
 
-/// ARMv8.0: [`dot_quant_body`] on widening multiplies ([`add_block_sums`]), one function per width (kept out of
-/// line: one symbol per width in a profile, and for `benches/neon_loops.py`).
+/// ARMv8.0: [`dot_quant_body`] on widening multiplies ([`add_block_sums`]), one function per
+/// width (kept out of line: one symbol per width in a profile, and for `benches/neon_loops.py`).
 #[target_feature(enable = "neon")]
 #[inline(never)]
 fn dot_quant_bits<const BITS: usize>(row: &[u8], cols: usize, codes: &[i8], scales: &[f32]) -> f32 {
