@@ -326,8 +326,9 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
             per_field(|k| 0x0202_0202_0202_0202 << (2 * k)),
         )
     };
-    // Pair `p` of every row: its 16 partial sums times their scales, added to `acc[r][j]`.
-    let step = |p: usize, j: usize, acc: &mut [[__m512; 4]; R]| {
+    // Pair `p` of every row (past the last whole group): its 16 partial sums times their
+    // scales, added to `acc[r]`.
+    let step = |p: usize, acc: &mut [__m512; R]| {
         // SAFETY: pair `p` (blocks 2p, 2p + 1) lies inside every row, `x.codes` and
         // `x.pair_scales` (lengths asserted above).
         unsafe {
@@ -342,18 +343,17 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
                 // (v & mask) ^ z: each lane's two's-complement field plus z, in place.
                 let unsigned = _mm512_ternarylogic_epi64::<0x6a>(v, field_mask, zero_point);
                 let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned, xv);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scales, acc[j]);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scales, *acc);
             }
         }
     };
     // A quad of pairs (8 blocks) is one scale group (`scale_group`), so the integer sums of its
     // four pairs are added in one register per row before one conversion and one FMA, into
-    // `acc[r][0]` (the i32 sums stay below 2^24: 16 products of at most 3 × 64 × 128 for INT2,
-    // 15 × 16 × 128 for INT4).
-    // Always the first accumulator: one picked by the quad's number was kept on the stack, a
-    // store and a load around every FMA (the expert in cache read 16.5 GiB/s that way, 19.9
-    // this way).
-    let group_step = |p: usize, acc: &mut [[__m512; 4]; R]| {
+    // `acc[r]` (the i32 sums stay below 2^24: 16 products of at most 3 × 64 × 128 for INT2,
+    // 15 × 16 × 128 for INT4). One accumulator per row: with several picked by the quad's
+    // number they were kept on the stack, a store and a load around every FMA (the INT2 expert
+    // in cache read 16.5 GiB/s that way, 19.9 this way).
+    let group_step = |p: usize, acc: &mut [__m512; R]| {
         // SAFETY: pairs `p .. p + 4` lie inside every row, `x.codes` and `x.pair_scales`
         // (lengths asserted above).
         unsafe {
@@ -373,13 +373,13 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
             // Every pair of the group has the same 16 scales.
             let scales = _mm512_loadu_ps(x.pair_scales.as_ptr().add(p * 16));
             for (sums, acc) in sums.iter().zip(acc.iter_mut()) {
-                acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*sums), scales, acc[0]);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*sums), scales, *acc);
             }
         }
     };
     const { assert!(super::scale_group(QuantBits::Int2) == 8) };
     const { assert!(super::scale_group(QuantBits::Int4) == 8) };
-    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut acc = [_mm512_setzero_ps(); R];
     let quads = pairs / 4;
     for q in 0..quads {
         let p = q * 4;
@@ -405,7 +405,7 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
         group_step(p, &mut acc);
     }
     for p in quads * 4..pairs {
-        step(p, 0, &mut acc);
+        step(p, &mut acc);
     }
     let bits = if BITS == 4 {
         QuantBits::Int4
@@ -413,9 +413,7 @@ fn dot_paired_rows<const BITS: usize, const R: usize>(
         QuantBits::Int2
     };
     std::array::from_fn(|r| {
-        let [a0, a1, a2, a3] = acc[r];
-        let sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-        let mut sum = _mm512_reduce_add_ps(sum) - x.offset;
+        let mut sum = _mm512_reduce_add_ps(acc[r]) - x.offset;
         // A last odd whole block, unpaired: its offset share is in `x.offset`, so it is summed
         // signed plus the zero point, as the pairs are.
         if full % 2 == 1 {
