@@ -534,13 +534,14 @@ fn products_by_tile(
                 products,
             } = scratch;
             let codes = (kernel.prepare_rows)(packed, bits, cols, end - start, codes, bias);
-            let tile = GemmRows {
+            let tile = GemmRows::new(
                 codes,
                 bias,
-                scales: &w.scales[start..end],
-                rows: end - start,
+                &w.scales[start..end],
+                end - start,
                 blocks,
-            };
+                bits,
+            );
             products.resize((end - start) * stride, 0.0);
             (kernel.run)(&tile, acts, products);
             // SAFETY: `out` is `[n, rows]` (checked by `matmul`) and outlives every task
@@ -1203,13 +1204,7 @@ mod tests {
         if layout.signed() {
             bias.clear();
         }
-        let tile = GemmRows {
-            codes,
-            bias: &bias,
-            scales: w.scales(),
-            rows,
-            blocks: acts.blocks,
-        };
+        let tile = GemmRows::new(codes, &mut bias, w.scales(), rows, acts.blocks, bits);
         let stride = acts.groups * LANES;
         let mut products = vec![0f32; rows * stride];
         int_gemm::gemm_quant(&tile, &acts, &mut products);
@@ -1240,6 +1235,10 @@ mod tests {
                     (7, 100, 8),
                     (TILE_ROWS + 5, 96, 16),
                     (6, 32, 33),
+                    // Scale groups of eight blocks (INT4, INT2): two whole ones, and a whole
+                    // one with a partial one ending in a partial block.
+                    (5, 512, 17),
+                    (9, 300, 20),
                 ] {
                     let data = rng.bytes(rows * bits.row_bytes(cols));
                     let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
@@ -1305,7 +1304,7 @@ mod tests {
     fn every_activation_layout_gives_the_same_bits() {
         let mut rng = Rng(29);
         for bits in QuantBits::ALL {
-            for (rows, cols, n) in [(5, 64, 17), (9, 100, 8), (3, 32, 40)] {
+            for (rows, cols, n) in [(5, 64, 17), (9, 100, 8), (3, 32, 40), (4, 300, 9)] {
                 let data = rng.bytes(rows * bits.row_bytes(cols));
                 let scales: Vec<f32> = (0..rows).map(|_| rng.uniform()).collect();
                 let w =

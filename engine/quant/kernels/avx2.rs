@@ -1028,8 +1028,9 @@ unsafe fn float_half_panel<const R: usize>(
 /// - INT8 weights take signed activations and the sign trick of the GEMV (`|w|` against
 ///   `x × sign(w)`, a pair at most `2 × 128 × 127`), widened after every step.
 ///
-/// Every block's integer sum is exact either way, and the float sums are the reference's, so
-/// the results are its bits.
+/// Every block's integer sum is exact either way, and so is a scale group's (eight blocks add
+/// in i32: at most `256 × 255 × 8` in magnitude, plus the bias); the float sums are the
+/// reference's, so the results are its bits.
 pub(crate) static INT_GEMM: IntGemm = IntGemm {
     name: "avx2",
     layout: |bits| {
@@ -1059,6 +1060,24 @@ pub(crate) static INT_GEMM: IntGemm = IntGemm {
 /// The CPU has AVX2 and FMA; the operands passed [`gemm::check_operands`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn int_gemm(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
+    // The scale groups of INT8 (one block) and INT4/INT2 (eight) as constants, so that a
+    // group's blocks are a loop of known length; any other length read at run time.
+    // SAFETY: the caller's promise.
+    unsafe {
+        match w.group {
+            1 => int_gemm_grouped::<1>(w, x, out),
+            8 => int_gemm_grouped::<8>(w, x, out),
+            _ => int_gemm_grouped::<0>(w, x, out),
+        }
+    }
+}
+
+/// [`int_gemm`] for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+///
+/// # Safety
+/// As [`int_gemm`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int_gemm_grouped<const GROUP: usize>(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     let signed = x.layout.signed();
     for group in 0..x.groups {
         let mut first = 0;
@@ -1067,10 +1086,10 @@ unsafe fn int_gemm(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
             // SAFETY: rows `first..first + take` and group `group` lie inside the operands.
             unsafe {
                 match (signed, take) {
-                    (false, 1) => int_panel::<1, false>(w, x, group, first, out),
-                    (false, _) => int_panel::<2, false>(w, x, group, first, out),
-                    (true, 1) => int_panel::<1, true>(w, x, group, first, out),
-                    (true, _) => int_panel::<2, true>(w, x, group, first, out),
+                    (false, 1) => int_panel::<1, false, GROUP>(w, x, group, first, out),
+                    (false, _) => int_panel::<2, false, GROUP>(w, x, group, first, out),
+                    (true, 1) => int_panel::<1, true, GROUP>(w, x, group, first, out),
+                    (true, _) => int_panel::<2, true, GROUP>(w, x, group, first, out),
                 }
             }
             first += take;
@@ -1079,15 +1098,15 @@ unsafe fn int_gemm(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 }
 
 /// `R` weight rows from `first` × the [`LANES`] activation rows of `group` (two vectors of
-/// eight i32 lanes), block by block: the block's integer sums (see [`INT_GEMM`]), plus the
-/// bias for unsigned activations, converted and added to each lane's float sum by one FMA with
-/// its block scale; the sums times the row's scale at the end.
+/// eight i32 lanes), scale group by scale group: the group's integer sums (its blocks' sums, see
+/// [`INT_GEMM`], plus the bias for unsigned activations), converted and added to each lane's
+/// float sum by one FMA with the group's scale; the sums times the row's scale at the end.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; the operands passed [`gemm::check_operands`], `first + R ≤ rows`
 /// and `group < x.groups`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn int_panel<const R: usize, const SIGNED: bool>(
+unsafe fn int_panel<const R: usize, const SIGNED: bool, const GROUP: usize>(
     w: &GemmRows<'_>,
     x: &GemmActs,
     group: usize,
@@ -1107,38 +1126,54 @@ unsafe fn int_panel<const R: usize, const SIGNED: bool>(
         let rows: [*const u8; R] =
             std::array::from_fn(|j| w.codes.as_ptr().add((first + j) * width));
         let ones = _mm256_set1_epi16(1);
+        // (`group` names the activation rows' group here.)
+        let per_scale = if GROUP == 0 { w.group } else { GROUP };
+        let scale_groups = blocks.div_ceil(per_scale);
         let mut sums = [[_mm256_setzero_ps(); 2]; R];
-        for b in 0..blocks {
+        for sg in 0..scale_groups {
+            let (start, end) = (sg * per_scale, ((sg + 1) * per_scale).min(blocks));
+            // The group's i32 sums, from the bias where the activations are unsigned.
             let mut ints = [[_mm256_setzero_si256(); 2]; R];
-            for s in b * STEPS..(b + 1) * STEPS {
-                let a = [
-                    _mm256_loadu_si256(acts.add(s * 4 * LANES).cast()),
-                    _mm256_loadu_si256(acts.add(s * 4 * LANES + 32).cast()),
-                ];
+            if !SIGNED {
                 for (j, ints) in ints.iter_mut().enumerate() {
-                    let wv = _mm256_set1_epi32(rows[j].add(s * 4).cast::<i32>().read_unaligned());
-                    if SIGNED {
-                        let magnitude = _mm256_sign_epi8(wv, wv);
-                        for (int, &a) in ints.iter_mut().zip(&a) {
-                            let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, wv));
-                            *int = _mm256_add_epi32(*int, _mm256_madd_epi16(pairs, ones));
+                    *ints = [_mm256_set1_epi32(w.bias[(first + j) * scale_groups + sg]); 2];
+                }
+            }
+            for b in start..end {
+                // Unsigned activations: the block's pair sums in i16, widened once.
+                let mut pairs = [[_mm256_setzero_si256(); 2]; R];
+                for s in b * STEPS..(b + 1) * STEPS {
+                    let a = [
+                        _mm256_loadu_si256(acts.add(s * 4 * LANES).cast()),
+                        _mm256_loadu_si256(acts.add(s * 4 * LANES + 32).cast()),
+                    ];
+                    for j in 0..R {
+                        let four = rows[j].add(s * 4).cast::<i32>().read_unaligned();
+                        let wv = _mm256_set1_epi32(four);
+                        if SIGNED {
+                            let magnitude = _mm256_sign_epi8(wv, wv);
+                            for (int, &a) in ints[j].iter_mut().zip(&a) {
+                                let pair = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, wv));
+                                *int = _mm256_add_epi32(*int, _mm256_madd_epi16(pair, ones));
+                            }
+                        } else {
+                            for (pair, &a) in pairs[j].iter_mut().zip(&a) {
+                                *pair = _mm256_add_epi16(*pair, _mm256_maddubs_epi16(a, wv));
+                            }
                         }
-                    } else {
-                        for (int, &a) in ints.iter_mut().zip(&a) {
-                            *int = _mm256_add_epi16(*int, _mm256_maddubs_epi16(a, wv));
+                    }
+                }
+                if !SIGNED {
+                    for (ints, pairs) in ints.iter_mut().zip(&pairs) {
+                        for (int, &pair) in ints.iter_mut().zip(pairs) {
+                            *int = _mm256_add_epi32(*int, _mm256_madd_epi16(pair, ones));
                         }
                     }
                 }
             }
-            for (j, (ints, sums)) in ints.iter().zip(sums.iter_mut()).enumerate() {
+            for (ints, sums) in ints.iter().zip(sums.iter_mut()) {
                 for (v, (&int, sum)) in ints.iter().zip(sums.iter_mut()).enumerate() {
-                    let int = if SIGNED {
-                        int
-                    } else {
-                        let bias = _mm256_set1_epi32(w.bias[(first + j) * blocks + b]);
-                        _mm256_add_epi32(bias, _mm256_madd_epi16(int, ones))
-                    };
-                    let scale = _mm256_loadu_ps(scales.add(b * LANES + v * 8));
+                    let scale = _mm256_loadu_ps(scales.add(start * LANES + v * 8));
                     *sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, *sum);
                 }
             }
@@ -1248,7 +1283,7 @@ fn int_gemm_rows<'a>(
 
 /// Unpacks whole INT4/INT2 blocks (rows of whole blocks lie back to back) into signed bytes in
 /// [`super::block_order`] (INT4: the low nibbles, then the high ones; INT2: each 2-bit field
-/// of the block's eight bytes in turn), and pushes each block's [`GemmRows::bias`]. INT4 blocks
+/// of the block's eight bytes in turn), and pushes each block's bias ([`gemm::PrepareRows`]). INT4 blocks
 /// go two at a time by [`unpack_int4_pairs`]; this loop takes an odd last one.
 ///
 /// # Safety

@@ -4,8 +4,9 @@
 //!
 //! The micro-kernel keeps a tile of up to [`MAX_ROWS`] weight rows × 2 groups of 16 activation
 //! rows in registers: per step of four values it loads one 64-byte activation vector per group
-//! and broadcasts four codes of each weight row, and per block of 32 values it turns the integer
-//! sums into f32 with the block's activation scales (24 accumulators of 32 registers).
+//! and broadcasts four codes of each weight row, and per scale group (a block of 32 values for
+//! INT8 weights, eight for INT4 and INT2) it turns the integer sums into f32 with the group's
+//! activation scales (24 accumulators of 32 registers).
 //!
 //! Also the float GEMM of [`super::float_gemm`] on 512-bit FMAs (`avx512f` alone: Skylake-X
 //! and later), whose micro-kernel keeps 6 weight rows × 32 activation rows of sums in 12
@@ -660,6 +661,24 @@ fn block_bias(codes: &[u8], bias: &mut [i32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     gemm::check_operands(w, x, out, gemm::ActLayout::Unsigned);
+    // The scale groups of INT8 (one block) and INT4/INT2 (eight) as constants, so that a
+    // group's blocks are a loop of known length; any other length read at run time.
+    // SAFETY: the operands passed `check_operands`.
+    unsafe {
+        match w.group {
+            1 => tiles::<1>(w, x, out),
+            8 => tiles::<8>(w, x, out),
+            _ => tiles::<0>(w, x, out),
+        }
+    }
+}
+
+/// [`gemm_quant`]'s tiles, for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+///
+/// # Safety
+/// The operands passed [`gemm::check_operands`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tiles<const GROUP: usize>(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     let mut r = 0;
     while r < w.rows {
         let rows = (w.rows - r).min(MAX_ROWS);
@@ -670,18 +689,18 @@ fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
             // `out`, whose lengths `check_operands` asserted.
             unsafe {
                 match (groups, rows) {
-                    (2, 6) => tile::<2, 6>(w, x, r, g, out),
-                    (2, 5) => tile::<2, 5>(w, x, r, g, out),
-                    (2, 4) => tile::<2, 4>(w, x, r, g, out),
-                    (2, 3) => tile::<2, 3>(w, x, r, g, out),
-                    (2, 2) => tile::<2, 2>(w, x, r, g, out),
-                    (2, _) => tile::<2, 1>(w, x, r, g, out),
-                    (_, 6) => tile::<1, 6>(w, x, r, g, out),
-                    (_, 5) => tile::<1, 5>(w, x, r, g, out),
-                    (_, 4) => tile::<1, 4>(w, x, r, g, out),
-                    (_, 3) => tile::<1, 3>(w, x, r, g, out),
-                    (_, 2) => tile::<1, 2>(w, x, r, g, out),
-                    _ => tile::<1, 1>(w, x, r, g, out),
+                    (2, 6) => tile::<2, 6, GROUP>(w, x, r, g, out),
+                    (2, 5) => tile::<2, 5, GROUP>(w, x, r, g, out),
+                    (2, 4) => tile::<2, 4, GROUP>(w, x, r, g, out),
+                    (2, 3) => tile::<2, 3, GROUP>(w, x, r, g, out),
+                    (2, 2) => tile::<2, 2, GROUP>(w, x, r, g, out),
+                    (2, _) => tile::<2, 1, GROUP>(w, x, r, g, out),
+                    (_, 6) => tile::<1, 6, GROUP>(w, x, r, g, out),
+                    (_, 5) => tile::<1, 5, GROUP>(w, x, r, g, out),
+                    (_, 4) => tile::<1, 4, GROUP>(w, x, r, g, out),
+                    (_, 3) => tile::<1, 3, GROUP>(w, x, r, g, out),
+                    (_, 2) => tile::<1, 2, GROUP>(w, x, r, g, out),
+                    _ => tile::<1, 1, GROUP>(w, x, r, g, out),
                 }
             }
             g += groups;
@@ -698,7 +717,7 @@ fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 // Index loops: `[h][j]` names a register of the tile, as in the text above.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn tile<const G: usize, const R: usize>(
+unsafe fn tile<const G: usize, const R: usize, const GROUP: usize>(
     w: &GemmRows<'_>,
     x: &GemmActs,
     r0: usize,
@@ -708,38 +727,43 @@ unsafe fn tile<const G: usize, const R: usize>(
     // SAFETY: see the function's contract; every offset below stays inside rows r0..r0 + R of
     // `w` and groups g0..g0 + G of `x`.
     unsafe {
-        let blocks = w.blocks;
+        let group = if GROUP == 0 { w.group } else { GROUP };
+        let (blocks, scale_groups) = (w.blocks, w.blocks.div_ceil(group));
         let width = blocks * BLOCK;
         let stride = x.groups * LANES;
         let weights = w.codes.as_ptr().add(r0 * width);
         let acts = x.codes.as_ptr().add(g0 * width * LANES);
-        let bias = w.bias.as_ptr().add(r0 * blocks);
+        let bias = w.bias.as_ptr().add(r0 * scale_groups);
         let act_scales = x.scales.as_ptr().add(g0 * blocks * LANES);
         let mut sums = [[_mm512_setzero_ps(); R]; G];
-        for b in 0..blocks {
+        for sg in 0..scale_groups {
+            let (first, end) = (sg * group, ((sg + 1) * group).min(blocks));
             let mut ints = [[_mm512_setzero_si512(); R]; G];
             for j in 0..R {
-                let start = _mm512_set1_epi32(*bias.add(j * blocks + b));
+                let start = _mm512_set1_epi32(*bias.add(j * scale_groups + sg));
                 for int in ints.iter_mut() {
                     int[j] = start;
                 }
             }
-            for step in 0..BLOCK / 4 {
-                let k = b * BLOCK + step * 4;
-                let mut a = [_mm512_setzero_si512(); G];
-                for (h, a) in a.iter_mut().enumerate() {
-                    *a = _mm512_loadu_si512(acts.add(h * width * LANES + k * LANES).cast());
-                }
-                for j in 0..R {
-                    let four = weights.add(j * width + k).cast::<i32>().read_unaligned();
-                    let wv = _mm512_set1_epi32(four);
-                    for h in 0..G {
-                        ints[h][j] = _mm512_dpbusd_epi32(ints[h][j], a[h], wv);
+            // Block by block, each block's eight steps unrolled.
+            for b in first..end {
+                for step in 0..BLOCK / 4 {
+                    let k = b * BLOCK + step * 4;
+                    let mut a = [_mm512_setzero_si512(); G];
+                    for (h, a) in a.iter_mut().enumerate() {
+                        *a = _mm512_loadu_si512(acts.add(h * width * LANES + k * LANES).cast());
+                    }
+                    for j in 0..R {
+                        let four = weights.add(j * width + k).cast::<i32>().read_unaligned();
+                        let wv = _mm512_set1_epi32(four);
+                        for h in 0..G {
+                            ints[h][j] = _mm512_dpbusd_epi32(ints[h][j], a[h], wv);
+                        }
                     }
                 }
             }
             for h in 0..G {
-                let scale = _mm512_loadu_ps(act_scales.add((h * blocks + b) * LANES));
+                let scale = _mm512_loadu_ps(act_scales.add((h * blocks + first) * LANES));
                 for j in 0..R {
                     sums[h][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints[h][j]), scale, sums[h][j]);
                 }

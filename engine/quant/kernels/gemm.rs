@@ -1,9 +1,11 @@
 //! The integer GEMM's operands and its scalar reference.
 //!
 //! Many activation rows (an encoder pass, a prompt prefill) against channel-wise integer
-//! weights: `out[t, r] = w_scale[r] × Σ_b x_scale[t, b] × Σ_{i∈b} w[r, i] · x_q[t, i]`, the
-//! GEMV's formula (activations rounded to INT8 blocks of [`BLOCK`] values exactly as there, so
-//! both paths take the same integer block sums).
+//! weights: `out[t, r] = w_scale[r] × Σ_g x_scale[t, g] × Σ_{i∈g} w[r, i] · x_q[t, i]`, the
+//! GEMV's formula (activations rounded to INT8 blocks of [`BLOCK`] values exactly as there, a
+//! scale per block that is equal over each [`super::scale_group`] of blocks), with `g` over
+//! those scale groups: one conversion and one multiply-add per group (256 values for INT4 and
+//! INT2 weights, 32 for INT8), its blocks' integer sums added first.
 //!
 //! The layout is made for instructions that sum products of bytes in fours into i32 lanes
 //! (x86's `vpdpbusd`, aarch64's `sdot`), with one lane per *activation row*:
@@ -16,9 +18,9 @@
 //!   lane: INT8 rows are used where they are stored, INT4/INT2 rows are unpacked to bytes first,
 //!   each block's values in [`block_order`] (the order a few shifts give; the activations are
 //!   placed in the same order, as for the GEMV);
-//! - the `+ 128` of unsigned activations is taken back exactly, per weight row and block: a
-//!   block's integer sum starts at `−128 × Σ_{i∈b} w[r, i]` ([`GemmRows::bias`]). Both forms
-//!   give every block the same integer sum, so the same bits.
+//! - the `+ 128` of unsigned activations is taken back exactly, per weight row and scale group:
+//!   a group's integer sum starts at `−128 × Σ_{i∈g} w[r, i]` ([`GemmRows::bias`]). Both forms
+//!   give every group the same integer sum, so the same bits.
 //!
 //! Transposing the activations (n × cols bytes) rather than the weights (rows × cols) keeps the
 //! preparation off the weights, which are read once per product and are the larger operand
@@ -31,7 +33,7 @@
 //! kernel's activations are rounded by its kernel set's rounding and placed by
 //! [`prepare_group`], a group of [`LANES`] rows per task.
 
-use super::{block_order, scalar, QuantizeActivations, BLOCK};
+use super::{block_order, scalar, scale_group, QuantizeActivations, BLOCK};
 use crate::quant::QuantBits;
 
 /// Activation rows per group (one 512-bit register of i32 lanes).
@@ -201,19 +203,82 @@ thread_local! {
 pub(crate) struct GemmRows<'a> {
     /// `rows × blocks × BLOCK` signed codes (two's complement bytes), zero past `cols`.
     pub codes: &'a [u8],
-    /// `[rows][blocks]`: `−128 × Σ_{i∈b} w[r, i]`, where each block's integer sum starts
-    /// against unsigned activations; empty for kernels that take signed ones.
+    /// `[rows][blocks.div_ceil(group)]`: `−128 × Σ_{i∈g} w[r, i]` over scale group `g`, where
+    /// each group's integer sum starts against unsigned activations; empty for kernels that
+    /// take signed ones.
     pub bias: &'a [i32],
     /// One per row.
     pub scales: &'a [f32],
     pub rows: usize,
     pub blocks: usize,
+    /// Consecutive blocks whose activations share one scale ([`scale_group`] of the weights'
+    /// bits; the last group of a row may be shorter): a kernel adds their integer sums before
+    /// it converts them.
+    pub group: usize,
 }
 
-/// `out[r × stride + t] = w_scale[r] × Σ_b x_scale[t, b] × (bias[r, b] + Σ_{i∈b} w[r, i] ·
-/// (x_q[t, i] + 128))` (unsigned activations; for signed ones `Σ_{i∈b} w[r, i] · x_q[t, i]`,
+impl<'a> GemmRows<'a> {
+    /// Rows of `bits` as a [`PrepareRows`] left them, its per-block `bias` (if any) summed here
+    /// into one per scale group.
+    pub fn new(
+        codes: &'a [u8],
+        bias: &'a mut Vec<i32>,
+        scales: &'a [f32],
+        rows: usize,
+        blocks: usize,
+        bits: QuantBits,
+    ) -> GemmRows<'a> {
+        let group = scale_group(bits);
+        if group > 1 && !bias.is_empty() {
+            bias_by_scale_group(bias, rows, blocks, group);
+        }
+        GemmRows {
+            codes,
+            bias,
+            scales,
+            rows,
+            blocks,
+            group,
+        }
+    }
+
+    /// Scale groups per row.
+    pub fn scale_groups(&self) -> usize {
+        self.blocks.div_ceil(self.group)
+    }
+}
+
+/// Sums a `[rows][blocks]` bias into `[rows][blocks.div_ceil(group)]`, in place.
+fn bias_by_scale_group(bias: &mut Vec<i32>, rows: usize, blocks: usize, group: usize) {
+    assert!(bias.len() >= rows * blocks && group > 0);
+    let groups = blocks.div_ceil(group);
+    if blocks.is_multiple_of(group) {
+        // Whole groups lie back to back across the rows.
+        for g in 0..rows * groups {
+            bias[g] = bias[g * group..(g + 1) * group].iter().sum();
+        }
+        bias.truncate(rows * groups);
+        return;
+    }
+    for r in 0..rows {
+        for g in 0..groups {
+            let first = r * blocks + g * group;
+            let sum = bias[first..r * blocks + ((g + 1) * group).min(blocks)]
+                .iter()
+                .sum();
+            // `r × groups + g ≤ first`: nothing is overwritten before it is read.
+            bias[r * groups + g] = sum;
+        }
+    }
+    bias.truncate(rows * groups);
+}
+
+/// `out[r × stride + t] = w_scale[r] × Σ_g x_scale[t, g] × (bias[r, g] + Σ_{i∈g} w[r, i] ·
+/// (x_q[t, i] + 128))` (unsigned activations; for signed ones `Σ_{i∈g} w[r, i] · x_q[t, i]`,
 /// the same integer) for every weight row `r` and activation row `t < groups × LANES`
-/// (`stride` = that), with the float sum taken block after block by fused multiply-adds.
+/// (`stride` = that), `g` over the rows' scale groups ([`GemmRows::group`] blocks each,
+/// `x_scale[t, g]` the scale of its first block), with the float sum taken group after group
+/// by fused multiply-adds.
 pub(crate) type GemmQuant = fn(&GemmRows<'_>, &GemmActs, &mut [f32]);
 
 /// Asserts that everything a [`GemmQuant`] kernel reads and writes lies inside its operands
@@ -223,7 +288,8 @@ pub(crate) fn check_operands(w: &GemmRows<'_>, x: &GemmActs, out: &[f32], layout
     assert_eq!(x.layout, layout);
     assert_eq!(x.blocks, w.blocks);
     assert!(w.codes.len() >= w.rows * width && w.scales.len() >= w.rows);
-    assert!(layout.signed() || w.bias.len() >= w.rows * w.blocks);
+    assert!(w.group > 0);
+    assert!(layout.signed() || w.bias.len() >= w.rows * w.scale_groups());
     assert!(x.codes.len() >= x.groups * width * LANES);
     assert!(x.scales.len() >= x.groups * w.blocks * LANES);
     assert!(out.len() >= w.rows * x.groups * LANES);
@@ -246,17 +312,22 @@ pub(crate) struct IntGemm {
 pub(crate) fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     check_operands(w, x, out, x.layout);
     let (blocks, stride) = (w.blocks, x.groups * LANES);
-    let width = blocks * BLOCK;
+    let (width, scale_groups) = (blocks * BLOCK, w.scale_groups());
     for r in 0..w.rows {
         let row = &w.codes[r * width..(r + 1) * width];
         for t in 0..stride {
             let (group, lane) = (t / LANES, t % LANES);
             let acts = &x.codes[group * width * LANES..(group + 1) * width * LANES];
             let mut sum = 0f32;
-            for b in 0..blocks {
+            for g in 0..scale_groups {
                 let signed = x.layout.signed();
-                let mut int = if signed { 0 } else { w.bias[r * blocks + b] };
-                for i in b * BLOCK..(b + 1) * BLOCK {
+                let mut int = if signed {
+                    0
+                } else {
+                    w.bias[r * scale_groups + g]
+                };
+                let b = g * w.group;
+                for i in b * BLOCK..((b + w.group).min(blocks)) * BLOCK {
                     let a = acts[x.layout.at(lane, i)];
                     let a = if signed {
                         i32::from(a as i8)
@@ -339,9 +410,10 @@ unsafe fn transpose_part(
 }
 
 /// Unpacks `rows` packed integer rows of `cols` values into signed bytes, `blocks × BLOCK` per
-/// row (zero-padded; each block in [`block_order`]), and computes their [`GemmRows::bias`] (left
-/// empty by kernels that take signed activations). Returns the codes: INT8 rows of whole blocks
-/// are used where they lie.
+/// row (zero-padded; each block in [`block_order`]), and each block's bias `−128 × Σ` of its
+/// codes, `[rows][blocks]` ([`GemmRows::new`] sums it per scale group; left empty by kernels
+/// that take signed activations). Returns the codes: INT8 rows of whole blocks are used where
+/// they lie.
 pub(crate) type PrepareRows =
     for<'a> fn(&'a [u8], QuantBits, usize, usize, &'a mut Vec<u8>, &mut Vec<i32>) -> &'a [u8];
 
@@ -401,12 +473,12 @@ pub(crate) fn unpack_values(src: &[u8], bits: QuantBits, len: usize, dst: &mut [
     }
 }
 
-/// One block's [`GemmRows::bias`]: `−128 × Σ` of its signed codes.
+/// One block's bias ([`PrepareRows`]): `−128 × Σ` of its signed codes.
 pub(crate) fn bias_of(block: &[u8]) -> i32 {
     -ACT_ZERO * block.iter().map(|&c| i32::from(c as i8)).sum::<i32>()
 }
 
-/// [`GemmRows::bias`] of `rows` rows of signed codes, `blocks × BLOCK` each.
+/// The per-block bias ([`PrepareRows`]) of `rows` rows of signed codes, `blocks × BLOCK` each.
 pub(crate) fn block_bias(codes: &[u8], rows: usize, blocks: usize, bias: &mut Vec<i32>) {
     bias.clear();
     bias.extend(

@@ -364,13 +364,31 @@ pub(crate) fn int_gemms() -> Vec<&'static gemm::IntGemm> {
 
 /// The integer GEMM kernel this CPU runs, if any (detected once). Without one, many-row products
 /// on integer weights take dequantized tiles and libtorch's f32 GEMM; `EDGEMOE_INT_GEMM=off`
-/// asks for that path on any CPU (to compare the two on one machine).
+/// asks for that path on any CPU (to compare the two on one machine), and `EDGEMOE_INT_GEMM=NAME`
+/// for a named kernel the CPU has instead of its fastest (`avx2` on an AVX-512 CPU, say); a name
+/// it cannot run is ignored with a warning.
 pub(crate) fn int_gemm() -> Option<&'static gemm::IntGemm> {
     static INT_GEMM: OnceLock<Option<&'static gemm::IntGemm>> = OnceLock::new();
     *INT_GEMM.get_or_init(|| {
-        if std::env::var_os("EDGEMOE_INT_GEMM").is_some_and(|v| v == "off") {
+        let kernels = int_gemms();
+        let fastest = kernels.last().copied();
+        let Some(wanted) = std::env::var_os("EDGEMOE_INT_GEMM") else {
+            return fastest;
+        };
+        if wanted == "off" {
             return None;
         }
-        int_gemms().last().copied()
+        let named = kernels.iter().find(|k| wanted == k.name).copied();
+        if named.is_none() {
+            let names: Vec<&str> = kernels.iter().map(|k| k.name).collect();
+            eprintln!(
+                "warning: EDGEMOE_INT_GEMM={} is neither off nor an integer GEMM this CPU runs \
+                 ({}); using {}",
+                wanted.to_string_lossy(),
+                names.join(", "),
+                fastest.map_or("none", |k| k.name)
+            );
+        }
+        named.or(fastest)
     })
 }

@@ -878,6 +878,24 @@ fn dot_step<const L: i32, const R: usize>(
 #[target_feature(enable = "neon,dotprod")]
 fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     gemm::check_operands(w, x, out, ActLayout::Signed);
+    // The scale groups of INT8 (one block) and INT4/INT2 (eight) as constants, so that a
+    // group's blocks are a loop of known length; any other length read at run time.
+    // SAFETY: the operands passed `check_operands`.
+    unsafe {
+        match w.group {
+            1 => sdot_tiles::<1>(w, x, out),
+            8 => sdot_tiles::<8>(w, x, out),
+            _ => sdot_tiles::<0>(w, x, out),
+        }
+    }
+}
+
+/// [`gemm_quant_sdot`]'s tiles, for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+///
+/// # Safety
+/// The operands passed [`gemm::check_operands`].
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn sdot_tiles<const GROUP: usize>(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     let mut r = 0;
     while r < w.rows {
         let rows = (w.rows - r).min(GEMM_MAX_ROWS);
@@ -886,9 +904,9 @@ fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
             // lengths `check_operands` asserted.
             unsafe {
                 match rows {
-                    3 => tile::<3>(w, x, r, g, out),
-                    2 => tile::<2>(w, x, r, g, out),
-                    _ => tile::<1>(w, x, r, g, out),
+                    3 => tile::<3, GROUP>(w, x, r, g, out),
+                    2 => tile::<2, GROUP>(w, x, r, g, out),
+                    _ => tile::<1, GROUP>(w, x, r, g, out),
                 }
             }
         }
@@ -898,8 +916,9 @@ fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 
 /// Weight rows `r0..r0 + R` against the 16 activation rows of group `g`: per step of four
 /// values, one 64-byte load of the group's codes (four lanes per register) and `sdot`s by
-/// element against each weight row's four codes; per block, the integer sums turned into f32
-/// with the block's activation scales, as the reference adds them.
+/// element against each weight row's four codes; per scale group ([`GemmRows::group`] blocks),
+/// the integer sums turned into f32 with the group's activation scales, as the reference adds
+/// them.
 ///
 /// # Safety
 /// Rows `r0..r0 + R` and group `g` lie inside the operands and `out` (lengths as
@@ -907,7 +926,7 @@ fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 // Index loops: `[j][v]` names a register of the tile.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "neon,dotprod")]
-unsafe fn tile<const R: usize>(
+unsafe fn tile<const R: usize, const GROUP: usize>(
     w: &GemmRows<'_>,
     x: &GemmActs,
     r0: usize,
@@ -923,31 +942,36 @@ unsafe fn tile<const R: usize>(
         let weights = w.codes.as_ptr().add(r0 * width).cast::<i8>();
         let acts = x.codes.as_ptr().add(g * width * LANES).cast::<i8>();
         let act_scales = x.scales.as_ptr().add(g * blocks * LANES);
+        let per_scale = if GROUP == 0 { w.group } else { GROUP };
         let mut sums = [[vdupq_n_f32(0.0); 4]; R];
-        for b in 0..blocks {
+        for sg in 0..blocks.div_ceil(per_scale) {
+            let (start, end) = (sg * per_scale, ((sg + 1) * per_scale).min(blocks));
             let mut ints = [[vdupq_n_s32(0); 4]; R];
-            for half in 0..2 {
-                let k = b * BLOCK + half * 16;
-                let mut wv = [vdupq_n_s8(0); R];
-                for j in 0..R {
-                    wv[j] = vld1q_s8(weights.add(j * width + k));
+            // Block by block, each block's two halves unrolled.
+            for b in start..end {
+                for half in 0..2 {
+                    let k = b * BLOCK + half * 16;
+                    let mut wv = [vdupq_n_s8(0); R];
+                    for j in 0..R {
+                        wv[j] = vld1q_s8(weights.add(j * width + k));
+                    }
+                    let step = |s: usize| {
+                        let at = acts.add((k + 4 * s) * LANES);
+                        [
+                            vld1q_s8(at),
+                            vld1q_s8(at.add(16)),
+                            vld1q_s8(at.add(32)),
+                            vld1q_s8(at.add(48)),
+                        ]
+                    };
+                    dot_step::<0, R>(&mut ints, step(0), &wv);
+                    dot_step::<1, R>(&mut ints, step(1), &wv);
+                    dot_step::<2, R>(&mut ints, step(2), &wv);
+                    dot_step::<3, R>(&mut ints, step(3), &wv);
                 }
-                let step = |s: usize| {
-                    let at = acts.add((k + 4 * s) * LANES);
-                    [
-                        vld1q_s8(at),
-                        vld1q_s8(at.add(16)),
-                        vld1q_s8(at.add(32)),
-                        vld1q_s8(at.add(48)),
-                    ]
-                };
-                dot_step::<0, R>(&mut ints, step(0), &wv);
-                dot_step::<1, R>(&mut ints, step(1), &wv);
-                dot_step::<2, R>(&mut ints, step(2), &wv);
-                dot_step::<3, R>(&mut ints, step(3), &wv);
             }
             for v in 0..4 {
-                let scale = vld1q_f32(act_scales.add(b * LANES + 4 * v));
+                let scale = vld1q_f32(act_scales.add(start * LANES + 4 * v));
                 for j in 0..R {
                     sums[j][v] = vfmaq_f32(sums[j][v], vcvtq_f32_s32(ints[j][v]), scale);
                 }
@@ -991,6 +1015,23 @@ const MMLA_LANE_PAIRS: usize = LANES / 4;
 #[target_feature(enable = "neon,i8mm")]
 fn gemm_quant_mmla(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     gemm::check_operands(w, x, out, ActLayout::SignedPairs);
+    // Scale groups as constants, as in `gemm_quant_sdot`.
+    // SAFETY: the operands passed `check_operands`.
+    unsafe {
+        match w.group {
+            1 => mmla_tiles::<1>(w, x, out),
+            8 => mmla_tiles::<8>(w, x, out),
+            _ => mmla_tiles::<0>(w, x, out),
+        }
+    }
+}
+
+/// [`gemm_quant_mmla`]'s tiles, for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+///
+/// # Safety
+/// The operands passed [`gemm::check_operands`].
+#[target_feature(enable = "neon,i8mm")]
+unsafe fn mmla_tiles<const GROUP: usize>(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     let mut r = 0;
     while r < w.rows {
         let rows = (w.rows - r).min(2 * MMLA_MAX_PAIRS);
@@ -1000,9 +1041,9 @@ fn gemm_quant_mmla(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
                 // lengths `check_operands` asserted.
                 unsafe {
                     if rows > 2 {
-                        mmla_tile::<2>(w, x, r, rows, g, half, out)
+                        mmla_tile::<2, GROUP>(w, x, r, rows, g, half, out)
                     } else {
-                        mmla_tile::<1>(w, x, r, rows, g, half, out)
+                        mmla_tile::<1, GROUP>(w, x, r, rows, g, half, out)
                     }
                 }
             }
@@ -1013,8 +1054,9 @@ fn gemm_quant_mmla(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 
 /// Weight rows `r0..r0 + rows` (in `P` pairs; an odd last row is paired with itself and its
 /// copy's sums dropped) against half `half` of group `g`'s activation rows: per step of eight
-/// values, one `smmla` per pair of weight rows and pair of activation rows; per block, the
-/// integer sums turned into f32 with the block's activation scales, as the reference adds them.
+/// values, one `smmla` per pair of weight rows and pair of activation rows; per scale group,
+/// the integer sums turned into f32 with the group's activation scales, as the reference adds
+/// them.
 ///
 /// # Safety
 /// Rows `r0..r0 + rows` (`rows ≤ 2P`) and group `g` lie inside the operands and `out` (lengths as
@@ -1022,7 +1064,7 @@ fn gemm_quant_mmla(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
 // Index loops: `[p][h]` names a register of the tile.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "neon,i8mm")]
-unsafe fn mmla_tile<const P: usize>(
+unsafe fn mmla_tile<const P: usize, const GROUP: usize>(
     w: &GemmRows<'_>,
     x: &GemmActs,
     r0: usize,
@@ -1047,24 +1089,30 @@ unsafe fn mmla_tile<const P: usize>(
         let first_pair = half * MMLA_LANE_PAIRS;
         let acts = x.codes.as_ptr().add(g * width * LANES).cast::<i8>();
         let act_scales = x.scales.as_ptr().add(g * blocks * LANES + 2 * first_pair);
+        let per_scale = if GROUP == 0 { w.group } else { GROUP };
         let mut sums = [[vdupq_n_f32(0.0); MMLA_LANE_PAIRS]; P];
-        for b in 0..blocks {
+        for sg in 0..blocks.div_ceil(per_scale) {
+            let (start, end) = (sg * per_scale, ((sg + 1) * per_scale).min(blocks));
             let mut ints = [[vdupq_n_s32(0); MMLA_LANE_PAIRS]; P];
-            for step in 0..BLOCK / 8 {
-                let k = b * BLOCK + step * 8;
-                let at = acts.add((k / 8 * (LANES / 2) + first_pair) * 16);
-                let a: [int8x16_t; MMLA_LANE_PAIRS] =
-                    std::array::from_fn(|h| vld1q_s8(at.add(16 * h)));
-                for p in 0..P {
-                    let [r_a, r_b] = rows_of[p];
-                    let wv = vcombine_s8(vld1_s8(r_a.add(k).cast()), vld1_s8(r_b.add(k).cast()));
-                    for h in 0..MMLA_LANE_PAIRS {
-                        ints[p][h] = smmla(ints[p][h], wv, a[h]);
+            // Block by block, each block's four steps unrolled.
+            for b in start..end {
+                for step in 0..BLOCK / 8 {
+                    let k = b * BLOCK + step * 8;
+                    let at = acts.add((k / 8 * (LANES / 2) + first_pair) * 16);
+                    let a: [int8x16_t; MMLA_LANE_PAIRS] =
+                        std::array::from_fn(|h| vld1q_s8(at.add(16 * h)));
+                    for p in 0..P {
+                        let [r_a, r_b] = rows_of[p];
+                        let wv =
+                            vcombine_s8(vld1_s8(r_a.add(k).cast()), vld1_s8(r_b.add(k).cast()));
+                        for h in 0..MMLA_LANE_PAIRS {
+                            ints[p][h] = smmla(ints[p][h], wv, a[h]);
+                        }
                     }
                 }
             }
             for h in 0..MMLA_LANE_PAIRS {
-                let two = vld1_f32(act_scales.add(b * LANES + 2 * h));
+                let two = vld1_f32(act_scales.add(start * LANES + 2 * h));
                 let scale = vcombine_f32(two, two);
                 for p in 0..P {
                     sums[p][h] = vfmaq_f32(sums[p][h], vcvtq_f32_s32(ints[p][h]), scale);
