@@ -1060,19 +1060,11 @@ pub(crate) static INT_GEMM: IntGemm = IntGemm {
 /// The CPU has AVX2 and FMA; the operands passed [`gemm::check_operands`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn int_gemm(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
-    // The scale groups of INT8 (one block) and INT4/INT2 (eight) as constants, so that a
-    // group's blocks are a loop of known length; any other length read at run time.
     // SAFETY: the caller's promise.
-    unsafe {
-        match w.group {
-            1 => int_gemm_grouped::<1>(w, x, out),
-            8 => int_gemm_grouped::<8>(w, x, out),
-            _ => int_gemm_grouped::<0>(w, x, out),
-        }
-    }
+    unsafe { gemm::by_scale_group!(w.group, int_gemm_grouped(w, x, out)) }
 }
 
-/// [`int_gemm`] for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+/// [`int_gemm`] for scale groups of `GROUP` blocks ([`gemm::by_scale_group`]).
 ///
 /// # Safety
 /// As [`int_gemm`].

@@ -661,19 +661,11 @@ fn block_bias(codes: &[u8], bias: &mut [i32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn gemm_quant(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     gemm::check_operands(w, x, out, gemm::ActLayout::Unsigned);
-    // The scale groups of INT8 (one block) and INT4/INT2 (eight) as constants, so that a
-    // group's blocks are a loop of known length; any other length read at run time.
     // SAFETY: the operands passed `check_operands`.
-    unsafe {
-        match w.group {
-            1 => tiles::<1>(w, x, out),
-            8 => tiles::<8>(w, x, out),
-            _ => tiles::<0>(w, x, out),
-        }
-    }
+    unsafe { gemm::by_scale_group!(w.group, tiles(w, x, out)) }
 }
 
-/// [`gemm_quant`]'s tiles, for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+/// [`gemm_quant`] for scale groups of `GROUP` blocks ([`gemm::by_scale_group`]).
 ///
 /// # Safety
 /// The operands passed [`gemm::check_operands`].

@@ -273,6 +273,21 @@ fn bias_by_scale_group(bias: &mut Vec<i32>, rows: usize, blocks: usize, group: u
     bias.truncate(rows * groups);
 }
 
+/// Calls `$tiles::<GROUP>(args)` with the scale group's length as a constant where it is one
+/// of [`scale_group`]'s (1 block for INT8 weights, 8 for INT4 and INT2), so that a kernel's
+/// blocks of a group are a loop of known length (read at run time, a group of one took INT8
+/// GEMMs 10% longer); any other length passes 0, for the kernel to read [`GemmRows::group`].
+macro_rules! by_scale_group {
+    ($group:expr, $tiles:ident($($arg:expr),* $(,)?)) => {
+        match $group {
+            1 => $tiles::<1>($($arg),*),
+            8 => $tiles::<8>($($arg),*),
+            _ => $tiles::<0>($($arg),*),
+        }
+    };
+}
+pub(crate) use by_scale_group;
+
 /// `out[r × stride + t] = w_scale[r] × Σ_g x_scale[t, g] × (bias[r, g] + Σ_{i∈g} w[r, i] ·
 /// (x_q[t, i] + 128))` (unsigned activations; for signed ones `Σ_{i∈g} w[r, i] · x_q[t, i]`,
 /// the same integer) for every weight row `r` and activation row `t < groups × LANES`

@@ -878,19 +878,11 @@ fn dot_step<const L: i32, const R: usize>(
 #[target_feature(enable = "neon,dotprod")]
 fn gemm_quant_sdot(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     gemm::check_operands(w, x, out, ActLayout::Signed);
-    // The scale groups of INT8 (one block) and INT4/INT2 (eight) as constants, so that a
-    // group's blocks are a loop of known length; any other length read at run time.
     // SAFETY: the operands passed `check_operands`.
-    unsafe {
-        match w.group {
-            1 => sdot_tiles::<1>(w, x, out),
-            8 => sdot_tiles::<8>(w, x, out),
-            _ => sdot_tiles::<0>(w, x, out),
-        }
-    }
+    unsafe { gemm::by_scale_group!(w.group, sdot_tiles(w, x, out)) }
 }
 
-/// [`gemm_quant_sdot`]'s tiles, for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+/// [`gemm_quant_sdot`] for scale groups of `GROUP` blocks ([`gemm::by_scale_group`]).
 ///
 /// # Safety
 /// The operands passed [`gemm::check_operands`].
@@ -1015,18 +1007,11 @@ const MMLA_LANE_PAIRS: usize = LANES / 4;
 #[target_feature(enable = "neon,i8mm")]
 fn gemm_quant_mmla(w: &GemmRows<'_>, x: &GemmActs, out: &mut [f32]) {
     gemm::check_operands(w, x, out, ActLayout::SignedPairs);
-    // Scale groups as constants, as in `gemm_quant_sdot`.
     // SAFETY: the operands passed `check_operands`.
-    unsafe {
-        match w.group {
-            1 => mmla_tiles::<1>(w, x, out),
-            8 => mmla_tiles::<8>(w, x, out),
-            _ => mmla_tiles::<0>(w, x, out),
-        }
-    }
+    unsafe { gemm::by_scale_group!(w.group, mmla_tiles(w, x, out)) }
 }
 
-/// [`gemm_quant_mmla`]'s tiles, for scale groups of `GROUP` blocks (0: [`GemmRows::group`]).
+/// [`gemm_quant_mmla`] for scale groups of `GROUP` blocks ([`gemm::by_scale_group`]).
 ///
 /// # Safety
 /// The operands passed [`gemm::check_operands`].
