@@ -28,7 +28,7 @@ use crate::error::Result;
 use crate::ids::ExpertId;
 use crate::ids::Stack;
 use crate::model::provider::{ExpertProvider, ExpertWeights};
-use crate::quant::matrix::{matmul, MatrixRef};
+use crate::quant::matrix::{matmul, matvec_gated, MatrixRef};
 use crate::quant::parallel;
 
 /// A block's router: `[num_experts, d_model]` (+ optional bias).
@@ -96,15 +96,19 @@ fn expert_forward_token(x: &[f32], w: &ExpertWeights) -> Result<Option<Vec<f32>>
     let Some(KernelMatrices { first, up, last }) = KernelMatrices::of(w)? else {
         return Ok(None);
     };
-    let mut hidden = product(first, x)?;
-    match up {
-        None => hidden.iter_mut().for_each(|h| *h = h.max(0.0)),
-        Some(up) => {
-            for (h, u) in hidden.iter_mut().zip(product(up, x)?) {
-                *h = *h / (1.0 + (-*h).exp()) * u;
-            }
+    let hidden = match up {
+        None => {
+            let mut hidden = product(first, x)?;
+            hidden.iter_mut().for_each(|h| *h = h.max(0.0));
+            hidden
         }
-    }
+        // gate and up as one product of the compute threads, SiLU × up beside it.
+        Some(up) => {
+            let mut hidden = vec![0f32; first.rows()];
+            matvec_gated(x, first, up, |g, u| g / (1.0 + (-g).exp()) * u, &mut hidden)?;
+            hidden
+        }
+    };
     Ok(Some(product(last, &hidden)?))
 }
 

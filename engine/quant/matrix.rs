@@ -737,14 +737,11 @@ pub(crate) fn gemv(
             }
             return;
         }
-        // One activation row: integer rows by the set's several-row kernels where it has them
-        // (the same results as one by one), the rest one by one.
-        let done = if n == 1 {
-            quant_row_dots(k, &w, first_row, &acts, cols, dst)
-        } else {
-            0
-        };
-        for (i, y) in dst.chunks_exact_mut(n).enumerate().skip(done) {
+        if n == 1 {
+            one_row_dots(k, &w, first_row, &acts, cols, dst);
+            return;
+        }
+        for (i, y) in dst.chunks_exact_mut(n).enumerate() {
             let r = first_row + i;
             row_dots(k, &w, r, &acts, cols, y);
         }
@@ -770,6 +767,74 @@ pub(crate) fn gemv(
         }
     }
     Ok(())
+}
+
+/// One activation row through two matrices of one shape at once, combined row by row:
+/// `out[r] = combine(gate_r · x, up_r · x)` (SwiGLU's `silu(gate) × up` in a decode step). The
+/// rows are one spread of tasks over the compute threads, each task a run of rows of both
+/// matrices and their combination: one product handed to the pool where two were, the
+/// activations rounded once where both matrices take the same ones, and the combination done
+/// beside the products. Each dot product is [`matmul`]'s for that row, bit for bit.
+pub fn matvec_gated(
+    x: &[f32],
+    gate: MatrixRef<'_>,
+    up: MatrixRef<'_>,
+    combine: impl Fn(f32, f32) -> f32 + Sync,
+    out: &mut [f32],
+) -> Result<()> {
+    let (rows, cols) = (gate.rows, gate.cols);
+    if (up.rows, up.cols) != (rows, cols) || x.len() != cols || out.len() != rows {
+        return Err(Error::Internal(format!(
+            "matvec_gated: gate [{rows}, {cols}], up [{}, {}], x of {} values, out of {}",
+            up.rows,
+            up.cols,
+            x.len(),
+            out.len()
+        )));
+    }
+    let k = kernels::best();
+    let gate_acts = Activations::prepare(x, 1, cols, gate.format, k);
+    let up_own = (up.format != gate.format).then(|| Activations::prepare(x, 1, cols, up.format, k));
+    let up_acts = up_own.as_ref().unwrap_or(&gate_acts);
+    let task = |first_row: usize, dst: &mut [f32]| {
+        let (mut g, mut u) = ([0f32; ROWS_PER_TASK], [0f32; ROWS_PER_TASK]);
+        let (g, u) = (&mut g[..dst.len()], &mut u[..dst.len()]);
+        if cols > 0 {
+            one_row_dots(k, &gate, first_row, &gate_acts, cols, g);
+            one_row_dots(k, &up, first_row, up_acts, cols, u);
+        }
+        for ((o, &g), &u) in dst.iter_mut().zip(g.iter()).zip(u.iter()) {
+            *o = combine(g, u);
+        }
+    };
+    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(ROWS_PER_TASK).map(Mutex::new).collect();
+    let run = |t: usize| {
+        let mut dst = chunks[t].lock().unwrap_or_else(|e| e.into_inner());
+        task(t * ROWS_PER_TASK, &mut dst)
+    };
+    if 2 * rows * cols >= PARALLEL_MIN_WEIGHTS {
+        parallel::for_each_task(chunks.len(), &run);
+    } else {
+        (0..chunks.len()).for_each(run);
+    }
+    Ok(())
+}
+
+/// Rows `first_row..` of `w` dotted with one activation row into `dst` (one output per row):
+/// integer rows by the set's several-row kernels where it has them ([`quant_row_dots`], the
+/// same results as one by one), the rest one by one.
+fn one_row_dots(
+    k: &Kernels,
+    w: &MatrixRef<'_>,
+    first_row: usize,
+    acts: &Activations<'_>,
+    cols: usize,
+    dst: &mut [f32],
+) {
+    let done = quant_row_dots(k, w, first_row, acts, cols, dst);
+    for (i, y) in dst.chunks_exact_mut(1).enumerate().skip(done) {
+        row_dots(k, w, first_row + i, acts, cols, y);
+    }
 }
 
 /// Rows `first_row..` of `w` dotted with one activation row into `dst` (one output per row):
@@ -1672,6 +1737,56 @@ mod tests {
             })
             .collect();
         Vec::<f32>::try_from(Tensor::cat(&tiles, 1).flatten(0, -1)).unwrap()
+    }
+
+    /// `matvec_gated` gives, row by row, `combine` of the two products `matmul` gives, bit for
+    /// bit: every format for gate and up alike and two of them mixed, on the compute threads
+    /// (a shape large enough to split into tasks, its last task short) and on the calling
+    /// thread alone (a small shape whose rows are no multiple of four). A combination that
+    /// tells its operands apart (`g − 2u`), so that swapped operands fail too.
+    #[test]
+    fn gated_products_equal_two_products_combined() {
+        set_compute_threads(2);
+        let mut rng = Rng(41);
+        let mut pairs: Vec<(MatrixFormat, MatrixFormat)> =
+            FORMATS.iter().map(|&f| (f, f)).collect();
+        pairs.push((
+            MatrixFormat::Quant(QuantBits::Int4),
+            MatrixFormat::Quant(QuantBits::Int8),
+        ));
+        pairs.push((MatrixFormat::F16, MatrixFormat::Quant(QuantBits::Int2)));
+        for (gate_format, up_format) in pairs {
+            for (rows, cols) in [(4 * ROWS_PER_TASK + 9, 600), (13, 70)] {
+                let encode = |rng: &mut Rng, format| {
+                    let w: Vec<f32> = (0..rows * cols).map(|_| rng.uniform()).collect();
+                    PackedMatrix::encode(&w, rows, cols, format).unwrap()
+                };
+                let (gate, up) = (encode(&mut rng, gate_format), encode(&mut rng, up_format));
+                let x: Vec<f32> = (0..cols).map(|_| rng.uniform()).collect();
+                let (mut g, mut u) = (vec![0f32; rows], vec![0f32; rows]);
+                matmul(&x, 1, gate.view(), &mut g).unwrap();
+                matmul(&x, 1, up.view(), &mut u).unwrap();
+                let mut got = vec![f32::NAN; rows];
+                matvec_gated(&x, gate.view(), up.view(), |g, u| g - 2.0 * u, &mut got).unwrap();
+                for r in 0..rows {
+                    let want = g[r] - 2.0 * u[r];
+                    assert_eq!(
+                        got[r].to_bits(),
+                        want.to_bits(),
+                        "{} × {} [{rows}, {cols}] row {r}: {} vs {want}",
+                        gate_format.name(),
+                        up_format.name(),
+                        got[r]
+                    );
+                }
+            }
+        }
+        let (a, b) = (
+            PackedMatrix::encode(&[0.0; 6], 2, 3, MatrixFormat::F32).unwrap(),
+            PackedMatrix::encode(&[0.0; 6], 3, 2, MatrixFormat::F32).unwrap(),
+        );
+        let mut out = [0f32; 2];
+        assert!(matvec_gated(&[0.0; 3], a.view(), b.view(), |g, _| g, &mut out).is_err());
     }
 
     /// The tiles' products are `x · wᵀ`: within f32 rounding of libtorch's whole-matrix
