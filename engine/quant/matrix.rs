@@ -792,6 +792,10 @@ pub fn matvec_gated(
             out.len()
         )));
     }
+    if cols == 0 {
+        out.fill(combine(0.0, 0.0));
+        return Ok(());
+    }
     let k = kernels::best();
     let gate_acts = Activations::prepare(x, 1, cols, gate.format, k);
     let up_own = (up.format != gate.format).then(|| Activations::prepare(x, 1, cols, up.format, k));
@@ -799,10 +803,8 @@ pub fn matvec_gated(
     let task = |first_row: usize, dst: &mut [f32]| {
         let (mut g, mut u) = ([0f32; ROWS_PER_TASK], [0f32; ROWS_PER_TASK]);
         let (g, u) = (&mut g[..dst.len()], &mut u[..dst.len()]);
-        if cols > 0 {
-            one_row_dots(k, &gate, first_row, &gate_acts, cols, g);
-            one_row_dots(k, &up, first_row, up_acts, cols, u);
-        }
+        one_row_dots(k, &gate, first_row, &gate_acts, cols, g);
+        one_row_dots(k, &up, first_row, up_acts, cols, u);
         for ((o, &g), &u) in dst.iter_mut().zip(g.iter()).zip(u.iter()) {
             *o = combine(g, u);
         }
@@ -1787,6 +1789,17 @@ mod tests {
         );
         let mut out = [0f32; 2];
         assert!(matvec_gated(&[0.0; 3], a.view(), b.view(), |g, _| g, &mut out).is_err());
+        // No columns: every product is 0.
+        let empty = PackedMatrix::encode(&[], 2, 0, MatrixFormat::Quant(QuantBits::Int4)).unwrap();
+        matvec_gated(
+            &[],
+            empty.view(),
+            empty.view(),
+            |g, u| g + u + 1.0,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, [1.0, 1.0]);
     }
 
     /// The tiles' products are `x · wᵀ`: within f32 rounding of libtorch's whole-matrix
