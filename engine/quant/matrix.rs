@@ -746,19 +746,7 @@ pub(crate) fn gemv(
             row_dots(k, &w, r, &acts, cols, y);
         }
     };
-    if rows * cols >= PARALLEL_MIN_WEIGHTS {
-        // One task per ROWS_PER_TASK rows, each writing its own chunk of `target`.
-        let chunks: Vec<Mutex<&mut [f32]>> = target
-            .chunks_mut(ROWS_PER_TASK * n)
-            .map(Mutex::new)
-            .collect();
-        parallel::for_each_task(chunks.len(), &|t| {
-            let mut dst = chunks[t].lock().unwrap_or_else(|e| e.into_inner());
-            task(t * ROWS_PER_TASK, &mut dst)
-        });
-    } else {
-        task(0, target);
-    }
+    for_each_row_run(target, n, rows * cols, &task);
     if n > 1 {
         for (r, ys) in by_row.chunks_exact(n).enumerate() {
             for (i, &y) in ys.iter().enumerate() {
@@ -809,17 +797,32 @@ pub fn matvec_gated(
             *o = combine(g, u);
         }
     };
-    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(ROWS_PER_TASK).map(Mutex::new).collect();
-    let run = |t: usize| {
-        let mut dst = chunks[t].lock().unwrap_or_else(|e| e.into_inner());
-        task(t * ROWS_PER_TASK, &mut dst)
-    };
-    if 2 * rows * cols >= PARALLEL_MIN_WEIGHTS {
-        parallel::for_each_task(chunks.len(), &run);
-    } else {
-        (0..chunks.len()).for_each(run);
-    }
+    for_each_row_run(out, 1, 2 * rows * cols, &task);
     Ok(())
+}
+
+/// Runs `task(first_row, outputs)` over `target` (`n` outputs per weight row) in runs of
+/// [`ROWS_PER_TASK`] rows, each run writing its own outputs: one task per run on the compute
+/// threads when the product reads at least [`PARALLEL_MIN_WEIGHTS`] weights, one run after
+/// another on this thread otherwise.
+fn for_each_row_run(
+    target: &mut [f32],
+    n: usize,
+    weights: usize,
+    task: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    let run_len = ROWS_PER_TASK * n;
+    if weights < PARALLEL_MIN_WEIGHTS {
+        for (t, dst) in target.chunks_mut(run_len).enumerate() {
+            task(t * ROWS_PER_TASK, dst);
+        }
+        return;
+    }
+    let runs: Vec<Mutex<&mut [f32]>> = target.chunks_mut(run_len).map(Mutex::new).collect();
+    parallel::for_each_task(runs.len(), &|t| {
+        let mut dst = runs[t].lock().unwrap_or_else(|e| e.into_inner());
+        task(t * ROWS_PER_TASK, &mut dst)
+    });
 }
 
 /// Rows `first_row..` of `w` dotted with one activation row into `dst` (one output per row):

@@ -564,7 +564,12 @@ unsafe fn quant_group<const BITS: usize, const SUM: u8>(
     x: &QuantRow<'_>,
     first: usize,
 ) -> (__m256, __m256) {
-    const GROUP: usize = 8;
+    // At most 8 blocks, so that `maddubs`'s i16 pair sums stay below 2^15 (see above).
+    let group = const {
+        let group = super::scale_group(super::bits_of(BITS));
+        assert!(group <= 8);
+        group
+    };
     // SAFETY: see the function's contract.
     unsafe {
         let codes = |b: usize| _mm256_loadu_si256(x.codes.as_ptr().add(b * BLOCK).cast());
@@ -572,7 +577,7 @@ unsafe fn quant_group<const BITS: usize, const SUM: u8>(
             AVX_VNNI | EVEX_VNNI => {
                 // Two chains, so that each `vpdpbusd` waits on the one before last.
                 let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for b in (first..first + GROUP).step_by(2) {
+                for b in (first..first + group).step_by(2) {
                     let (u0, u1) = (
                         unsigned_codes::<BITS>(w, b),
                         unsigned_codes::<BITS>(w, b + 1),
@@ -589,7 +594,7 @@ unsafe fn quant_group<const BITS: usize, const SUM: u8>(
             }
             _ => {
                 let mut pairs = _mm256_setzero_si256();
-                for b in first..first + GROUP {
+                for b in first..first + group {
                     let products = _mm256_maddubs_epi16(unsigned_codes::<BITS>(w, b), codes(b));
                     pairs = _mm256_add_epi16(pairs, products);
                 }
