@@ -705,3 +705,175 @@ fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
         "the drop is traced as a cancel"
     );
 }
+
+/// At most the device's queue depth of speculative reads are in flight at once: predictions
+/// beyond that are scored, not read, however many slots are free (`start_prefetch`'s headroom
+/// check; without it every prediction would queue on the device ahead of the next demand).
+#[test]
+fn speculative_reads_in_flight_stay_within_the_queue_depth() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    use edgemoe::store::ReadPacer;
+    use std::time::Duration;
+    let (_dir, bundle) = converted("tiny-tied-e4");
+    let spec = &bundle.config.model;
+    let blocks = spec.moe_blocks(Stack::Decoder);
+    let id = |layer: usize, expert| ExpertId {
+        stack: Stack::Decoder,
+        layer: layer as u16,
+        expert,
+    };
+    // (queue depth, speculative reads expected): three certain predictions, five slots.
+    for (depth, expected) in [(1, 1), (2, 2), (4, 3)] {
+        // Reads of 300 ms: none finishes while the predictions are handed out.
+        let latency = Duration::from_millis(300);
+        let mut store = bundle.open_store().unwrap();
+        store.set_queue_depth(depth);
+        store.set_pacer(Some(ReadPacer::with_queue_depth(1e12, latency, depth)));
+        store.set_device(Some((1e12, latency)));
+        let mut buffer = gate_buffer(store, spec, 5);
+        buffer.begin_step(Stack::Decoder);
+        // k = 3 for the one token: experts 1, 2 and 3 of the next block, each certain.
+        buffer
+            .predicted(Stack::Decoder, blocks[1], 3, &[1, 2, 3])
+            .unwrap();
+        buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
+        buffer.expert(id(blocks[0], 0), None).unwrap();
+        let stats = buffer.stats().prefetch.clone();
+        assert_eq!(
+            stats.issued, expected,
+            "queue depth {depth}: speculative reads started ({stats:?})"
+        );
+        let in_flight = buffer
+            .slot_contents()
+            .iter()
+            .filter(|held| matches!(held, Some(e) if e.layer as usize == blocks[1]))
+            .count() as u64;
+        assert_eq!(in_flight, expected, "queue depth {depth}: slots taken");
+    }
+}
+
+/// A layer whose speculative reads the router keeps refuting stops reading: after the few
+/// candidates its books need, its predictions are scored without being read, and it is
+/// reported stopped (`prefetch.per_layer[].enabled`).
+#[test]
+fn a_layer_whose_speculative_reads_are_refuted_stops_reading() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    use edgemoe::store::ReadPacer;
+    use std::time::Duration;
+    let (_dir, bundle) = converted("tiny-tied-e4");
+    let spec = &bundle.config.model;
+    let blocks = spec.moe_blocks(Stack::Decoder);
+    let id = |layer: usize, expert| ExpertId {
+        stack: Stack::Decoder,
+        layer: layer as u16,
+        expert,
+    };
+    let latency = Duration::from_millis(2);
+    let mut store = bundle.open_store().unwrap();
+    store.set_queue_depth(1);
+    store.set_pacer(Some(ReadPacer::new(1e12, latency)));
+    store.set_device(Some((1e12, latency)));
+    let mut buffer = gate_buffer(store, spec, 4);
+    let steps = 24;
+    let (predicted, chosen) = (id(blocks[1], 2), id(blocks[1], 3));
+    let mut issued_by_step = Vec::new();
+    let mut held = 0;
+    for _ in 0..steps {
+        // The gate predicts expert 2 for the second MoE block; the router picks 3. A refuted
+        // load still being read when its layer routed keeps its slot until the layer routes
+        // again, and a prediction of an expert held is no candidate.
+        held += buffer.slot_contents().contains(&Some(predicted)) as u64;
+        buffer.begin_step(Stack::Decoder);
+        buffer
+            .predicted(Stack::Decoder, blocks[1], 1, &[2])
+            .unwrap();
+        buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
+        buffer.expert(id(blocks[0], 0), None).unwrap();
+        // Let a speculative read start (one taken back unread would cost nothing).
+        let started = std::time::Instant::now();
+        while buffer.io().unwrap().queued().iter().sum::<usize>() > 0 {
+            assert!(started.elapsed().as_secs() < 30, "the read never started");
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        // ... and finish on the device, as it would during the layer's compute on a board (the
+        // buffer takes it in at its next call).
+        std::thread::sleep(3 * latency);
+        buffer.routed(Stack::Decoder, blocks[1], 1, &[3]).unwrap();
+        buffer.expert(chosen, None).unwrap();
+        issued_by_step.push(buffer.stats().prefetch.issued);
+    }
+    let issued = *issued_by_step.last().unwrap();
+    assert!(
+        issued >= 1,
+        "the first prediction is read: {issued_by_step:?}"
+    );
+    // Its books stop it within MIN_SAMPLES (8) candidates, at once when a whole read behind.
+    assert_eq!(
+        issued_by_step[steps / 2],
+        issued,
+        "reads after the layer should have stopped: {issued_by_step:?}"
+    );
+    let layer = buffer
+        .stats()
+        .prefetch
+        .per_layer
+        .iter()
+        .find(|l| l.stack == Stack::Decoder.hf_prefix() && l.block as usize == blocks[1])
+        .cloned()
+        .expect("the predicted layer has books");
+    assert!(!layer.enabled && layer.switches >= 1, "{layer:?}");
+    assert_eq!(layer.issued, issued, "{layer:?}");
+    assert_eq!(
+        layer.issued + layer.skipped + held,
+        steps as u64,
+        "every prediction of an expert not held is a candidate, read or scored: {layer:?}"
+    );
+    assert_eq!(layer.useful, 0, "{layer:?}");
+}
+
+/// A damaged expert that a speculative read brings in is an error when the model then uses it,
+/// although the model never reads it itself: the prefetch thread checks what it reads as a
+/// demand read does. (`io_scheduler.rs` reaches this through the CLI, where whether speculation
+/// reads an expert first depends on timing; here the read is certainly speculative.)
+#[test]
+fn a_damaged_expert_read_by_speculation_is_an_error_when_used() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::convert_to(&common::fixture("tiny-tied-e4"), dir.path());
+    let bundle = Bundle::open(&path).unwrap();
+    let spec = &bundle.config.model;
+    let blocks = spec.moe_blocks(Stack::Decoder);
+    let id = |layer: usize, expert| ExpertId {
+        stack: Stack::Decoder,
+        layer: layer as u16,
+        expert,
+    };
+    let damaged = id(blocks[1], 2);
+    common::checkpoint::flip_expert_byte(&path, damaged);
+    let mut buffer = gate_buffer(Bundle::open(&path).unwrap().open_store().unwrap(), spec, 4);
+    buffer.begin_step(Stack::Decoder);
+    buffer
+        .predicted(Stack::Decoder, blocks[1], 1, &[2])
+        .unwrap();
+    buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
+    buffer.expert(id(blocks[0], 0), None).unwrap();
+    assert_eq!(buffer.stats().prefetch.issued, 1, "the speculative read");
+    // Started as a speculative read (a queued one the model demands becomes a demand read).
+    let started = std::time::Instant::now();
+    while buffer.io().unwrap().queued().iter().sum::<usize>() > 0 {
+        assert!(started.elapsed().as_secs() < 30, "the read never started");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let result = buffer
+        .routed(Stack::Decoder, blocks[1], 1, &[2])
+        .and_then(|()| buffer.expert(damaged, None).map(|_| ()));
+    match result {
+        Err(edgemoe::Error::Checksum { expert, .. }) => assert_eq!(expert, damaged),
+        Err(other) => panic!("expected the checksum error of {damaged}, got {other}"),
+        Ok(()) => panic!("the damaged {damaged} was computed with"),
+    }
+    assert_eq!(buffer.stats().prefetch.failed, 1);
+}

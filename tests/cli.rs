@@ -1725,3 +1725,92 @@ fn error_line_names_its_cause_once() {
     let err = stderr(&out);
     assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
 }
+
+/// `replay` labels Belady for what it bounds: over a trace recorded with prefetch, replayed
+/// with its prefetches, it is the optimum of demand paging only (`belady-demand-only`, which
+/// the other policies may pass); with `--demand-only`, or over a trace without prefetches, it
+/// is the optimum (`belady (optimum)` in the table, `belady` in the JSON).
+#[test]
+fn replay_labels_belady_for_what_it_bounds() {
+    use edgemoe::cache::trace::{read_trace, AccessKind};
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = demo_bundle(&dir.path().join("b"));
+    let doc = dir.path().join("doc.txt");
+    std::fs::write(&doc, first_dialogue()).unwrap();
+    let record = |name: &str, extra: &[&str]| {
+        let trace = dir.path().join(name);
+        let mut args = vec![
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--input",
+            doc.to_str().unwrap(),
+            "--max-new-tokens",
+            "6",
+            "--buffer-experts",
+            "4",
+            "--trace",
+            trace.to_str().unwrap(),
+            "-q",
+        ];
+        args.extend_from_slice(extra);
+        let out = run(&args, None);
+        assert!(out.status.success(), "{}", stderr(&out));
+        trace
+    };
+    let with_prefetch = record("on.jsonl", &[]);
+    let without = record("off.jsonl", &["--no-prefetch"]);
+    let prefetches = |trace: &Path| {
+        let (_, events) = read_trace(trace).unwrap();
+        events
+            .iter()
+            .filter(|e| e.kind == AccessKind::Prefetch)
+            .count()
+    };
+    assert!(prefetches(&with_prefetch) > 0, "the run read ahead");
+    assert_eq!(prefetches(&without), 0);
+    let replay = |trace: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--slots",
+            "2,4",
+        ];
+        args.extend_from_slice(extra);
+        stdout(&run(&args, None))
+    };
+    let row = |table: &str, name: &str| table.lines().any(|l| l.starts_with(name));
+    let table = replay(&with_prefetch, &[]);
+    assert!(row(&table, "belady-demand-only"), "{table}");
+    assert!(!row(&table, "belady (optimum)"), "{table}");
+    assert!(
+        table.contains("the bound of demand paging"),
+        "the label is explained: {table}"
+    );
+    for (trace, extra) in [
+        (&with_prefetch, &["--demand-only"][..]),
+        (&without, &[][..]),
+    ] {
+        let table = replay(trace, extra);
+        assert!(row(&table, "belady (optimum)"), "{extra:?}: {table}");
+        assert!(!table.contains("belady-demand-only"), "{extra:?}: {table}");
+    }
+    let keys = |trace: &Path, extra: &[&str]| -> Vec<String> {
+        let mut args = extra.to_vec();
+        args.push("--json");
+        let json: serde_json::Value = serde_json::from_str(&replay(trace, &args)).unwrap();
+        json.as_object().unwrap().keys().cloned().collect()
+    };
+    let on = keys(&with_prefetch, &[]);
+    assert!(
+        on.contains(&"belady-demand-only".to_string()) && !on.contains(&"belady".to_string()),
+        "{on:?}"
+    );
+    let demand_only = keys(&with_prefetch, &["--demand-only"]);
+    assert!(
+        demand_only.contains(&"belady".to_string())
+            && !demand_only.contains(&"belady-demand-only".to_string()),
+        "{demand_only:?}"
+    );
+}

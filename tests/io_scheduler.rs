@@ -421,6 +421,8 @@ fn mmap_mode_pays_for_pages_the_kernel_reads_ahead() {
     let store = Bundle::open(&bundle).unwrap().open_store().unwrap();
     let path = store.path().to_path_buf();
     let file_len = std::fs::metadata(&path).unwrap().len() as usize;
+    // Written back first: the kernel drops clean pages only.
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
     store.drop_page_cache();
     if MappedBytes::open(&path).unwrap().missing_bytes(0, file_len) == 0 {
         eprintln!(
@@ -454,5 +456,51 @@ fn mmap_mode_pays_for_pages_the_kernel_reads_ahead() {
         "{} bytes counted, {} paged in",
         stats.bytes_read,
         first_len + last_len
+    );
+}
+
+/// `mmap` mode waits out the emulated device's time for the pages a touch needs, as the slot
+/// reads do: every touch that found pages missing waited at least one read's latency.
+#[test]
+fn mmap_touches_that_page_in_take_the_time_their_profile_says() {
+    use edgemoe::model::provider::ExpertProvider;
+    use edgemoe::runtime::modes::MappedExperts;
+    use edgemoe::weights::MappedBytes;
+
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = common::checkpoint::copy_dir(demo_bundle(), dir.path());
+    let store = Bundle::open(&bundle).unwrap().open_store().unwrap();
+    let path = store.path().to_path_buf();
+    let file_len = std::fs::metadata(&path).unwrap().len() as usize;
+    // Written back first: the kernel drops clean pages only.
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
+    store.drop_page_cache();
+    if MappedBytes::open(&path).unwrap().missing_bytes(0, file_len) == 0 {
+        eprintln!(
+            "skipped: the page cache of {} cannot be dropped here",
+            path.display()
+        );
+        return;
+    }
+    let ids: Vec<ExpertId> = store.index().experts.iter().map(|e| e.id).collect();
+    // A device whose every read takes 25 ms, whatever its size: far above what paging in a
+    // few hundred KiB takes here, so only waiting for the device can reach it.
+    let latency = Duration::from_millis(25);
+    let mut experts = MappedExperts::new(store, Some(ReadPacer::new(1e12, latency))).unwrap();
+    let started = Instant::now();
+    for &id in ids.iter().step_by(ids.len().div_ceil(4).max(1)) {
+        experts.expert(id, None).unwrap();
+    }
+    let elapsed = started.elapsed();
+    let stats = experts.stats();
+    assert!(stats.misses >= 1, "{stats:?}");
+    assert!(
+        elapsed >= latency * stats.misses as u32,
+        "{} touches that paged in took {elapsed:?}, the device {latency:?} each ({stats:?})",
+        stats.misses
+    );
+    assert!(
+        stats.stall_ms >= 25.0 * stats.misses as f64 * 0.98,
+        "{stats:?}"
     );
 }
