@@ -86,7 +86,34 @@ fn calibrating_a_switch_bundle_changes_speed_not_tokens() {
     assert!(steps > 3 * 3, "{json}");
     let repeats = json["decoder"]["pass_repeat_share"].as_f64().unwrap();
     assert!(repeats > 0.0 && repeats < 1.0, "{json}");
+    // Each predictor's precision and recall per MoE layer, on the held-out document: printed,
+    // and in the report's `predictors[]`.
+    for column in ["dictionary P / R", "gate P / R", "both P / R"] {
+        assert!(report.contains(column), "{column}: {report}");
+    }
+    assert_predictor_scores(&json["predictors"], "calibrate --json");
     let first = std::fs::read_to_string(common::samsum("test")).unwrap();
+    let stats = dir.path().join("stats.json");
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            b,
+            "--buffer-experts",
+            "6",
+            "--predictor",
+            "both",
+            "--stats-json",
+            stats.to_str().unwrap(),
+            "-q",
+        ],
+        Some(first.lines().next().unwrap()),
+    );
+    assert!(out.status.success(), "{}", common::cli::stderr(&out));
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(stats["predictor"], "both");
+    assert_predictor_scores(&stats["predictors"], "summarize --stats-json");
     let out = run(
         &["summarize", "--model", b, "--buffer-experts", "6", "--ids"],
         Some(first.lines().next().unwrap()),
@@ -96,6 +123,40 @@ fn calibrating_a_switch_bundle_changes_speed_not_tokens() {
         .map(|t| t.parse().unwrap())
         .collect();
     assert_eq!(printed, samsum_golden().rows[0].output_ids);
+}
+
+/// `predictors[]` (of `calibrate --json` or `--stats-json`) scores every predictor on MoE
+/// layers of both stacks (the gate has no layer before the first MoE block to look ahead
+/// from), and each entry's precision and recall are its own counts' ratios.
+fn assert_predictor_scores(scores: &serde_json::Value, what: &str) {
+    let scores = scores
+        .as_array()
+        .unwrap_or_else(|| panic!("{what}: {scores}"));
+    for predictor in ["dictionary", "gate", "both"] {
+        for stack in ["encoder", "decoder"] {
+            assert!(
+                scores
+                    .iter()
+                    .any(|s| s["predictor"] == predictor && s["stack"] == stack),
+                "{what}: no {predictor} scores for the {stack}: {scores:?}"
+            );
+        }
+    }
+    for s in scores {
+        let count = |key: &str| s[key].as_u64().unwrap_or_else(|| panic!("{what}: {s}")) as f64;
+        let (predicted, chosen, correct) = (count("predicted"), count("chosen"), count("correct"));
+        assert!(
+            count("calls") > 0.0 && correct <= predicted.min(chosen),
+            "{what}: {s}"
+        );
+        let ratio = |key: &str, of: f64| {
+            let value = s[key].as_f64().unwrap_or_else(|| panic!("{what}: {s}"));
+            let expected = if of > 0.0 { correct / of } else { 0.0 };
+            assert!((value - expected).abs() < 1e-9, "{what}: {key} of {s}");
+        };
+        ratio("precision", predicted);
+        ratio("recall", chosen);
+    }
 }
 
 #[test]

@@ -914,6 +914,34 @@ fn probe_storage_writes_a_profile_the_engine_loads() {
     );
     let text = std::fs::read_to_string(&profile).unwrap();
     assert!(text.contains("storage_queue_depth"), "{text}");
+    // A run takes it by path: its reads are paced to it, and its statistics name it.
+    let bundle = demo_bundle(&dir.path().join("b"));
+    let stats = dir.path().join("stats.json");
+    let out = run(
+        &[
+            "summarize",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--profile",
+            profile.to_str().unwrap(),
+            "--storage",
+            "emulate",
+            "--buffer-experts",
+            "8",
+            "--max-new-tokens",
+            "4",
+            "--stats-json",
+            stats.to_str().unwrap(),
+            "-q",
+        ],
+        Some(&first_dialogue()),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(stats["profile"], "my-board", "{stats}");
+    assert_eq!(stats["mode"], "edgemoe", "{stats}");
+    assert!(stats["stall_ms"].as_f64().unwrap() > 0.0, "{stats}");
     // Its own inputs are never overwritten.
     let before = std::fs::read(&profile).unwrap();
     let out = run(

@@ -57,7 +57,8 @@ pub struct LayerSpeculation {
     pub skipped: u64,
     /// Stall avoided, estimated (see the module header).
     pub saved_ms: f64,
-    /// Device time of unused reads over the queue depth, plus reads of experts they evicted.
+    /// Device time of unused reads times their share of the device, demand reads' waits behind
+    /// this layer's reads, and a read for each expert they evicted that was missed soon after.
     pub cost_ms: f64,
     /// Evicted experts missed soon after (counted in `cost_ms`).
     pub costly_evictions: u64,
