@@ -575,6 +575,78 @@ fn reading_the_next_expert_ahead_never_evicts_an_expert_needed_sooner() {
     }
 }
 
+/// Reading the next expert ahead evicts nothing that its demand read would not: under every
+/// policy, a layer whose second expert was read ahead leaves the buffer holding what it holds
+/// when that expert is read on demand. An encoder pass's later layer reading ahead over an
+/// earlier layer's expert (both done for this forward call) while the policy would have let
+/// the expert in use go made the next document's encoder miss it (BENCHMARKS §11.3).
+#[test]
+fn reading_the_next_expert_ahead_evicts_what_its_demand_read_would() {
+    use edgemoe::ids::ExpertId;
+    use edgemoe::model::provider::ExpertProvider;
+    let (_dir, bundle) = converted("tiny-untied-e8");
+    let spec = &bundle.config.model;
+    let (enc, dec) = (
+        spec.moe_blocks(Stack::Encoder),
+        spec.moe_blocks(Stack::Decoder),
+    );
+    assert!(enc.len() >= 2, "two encoder MoE blocks");
+    let id = |stack, layer: usize, expert| ExpertId {
+        stack,
+        layer: layer as u16,
+        expert,
+    };
+    let decoder_expert = id(Stack::Decoder, dec[0], 1);
+    let (earlier, in_use, next) = (
+        id(Stack::Encoder, enc[0], 2),
+        id(Stack::Encoder, enc[1], 0),
+        id(Stack::Encoder, enc[1], 3),
+    );
+    let run = |policy: Policy, prefetch: bool| {
+        let mut buffer = ExpertBuffer::with_options(
+            bundle.open_store().unwrap(),
+            spec,
+            &BufferOptions {
+                slots: 3,
+                policy,
+                prefetch,
+                prefetch_cap_bytes: 0,
+                predictor: PredictorKind::Dictionary,
+                stand_in: None,
+            },
+            None,
+        )
+        .unwrap();
+        // A decode step, then the next document's encoder: its first MoE layer's expert, then
+        // the second layer's two, the second read ahead while the first is computed.
+        buffer.begin_step(Stack::Decoder);
+        buffer.routed(Stack::Decoder, dec[0], 1, &[1]).unwrap();
+        buffer.expert(decoder_expert, None).unwrap();
+        buffer.begin_step(Stack::Encoder);
+        buffer.routed(Stack::Encoder, enc[0], 1, &[2]).unwrap();
+        buffer.expert(earlier, None).unwrap();
+        buffer.routed(Stack::Encoder, enc[1], 1, &[0, 3]).unwrap();
+        buffer.expert(in_use, Some(next)).unwrap();
+        buffer.expert(next, None).unwrap();
+        let mut held: Vec<_> = buffer.slot_contents().into_iter().flatten().collect();
+        held.sort();
+        (held, buffer.stats().prefetch.issued)
+    };
+    let mut read_ahead = 0;
+    for policy in Policy::ONLINE {
+        let (demand_paging, _) = run(policy, false);
+        let (with_prefetch, issued) = run(policy, true);
+        assert_eq!(
+            with_prefetch, demand_paging,
+            "{policy}: held after the layer, with the next expert read ahead ({issued} reads) \
+             and without"
+        );
+        read_ahead += issued;
+    }
+    // Where the policy would evict another expert than the one in use, the read goes ahead.
+    assert!(read_ahead > 0, "no policy read the next expert ahead");
+}
+
 /// Where one read holds most of the device, speculation runs in decode steps only: the same
 /// confident prediction for the next MoE block starts a read after a one-token layer, and none
 /// after an encoder layer or a prompt prefill of 20 tokens (which keep the device busy with

@@ -624,15 +624,34 @@ impl ExpertBuffer {
     }
 
     /// Whether the next expert of the layer being computed may be read now: into a free slot,
-    /// or over an expert needed no sooner than the one being computed. Reading it ahead pins
-    /// the expert in use, which is often the best victim (an encoder layer that has run is not
-    /// needed again until the next document); evicting an expert needed sooner instead (a
-    /// decoder expert, during the encoder) costs a whole read later to save at most the
-    /// current expert's compute time now.
+    /// or over the expert its demand read would evict once the one being computed is done (the
+    /// policy's victim with the expert in use unpinned), and only if that expert is needed no
+    /// sooner than the one being computed. Reading it ahead pins the expert in use, which is
+    /// often the best victim (an encoder layer that has run is not needed again until the next
+    /// document); evicting another instead costs a whole read later to save at most the
+    /// current expert's compute time now. With the policy's own ranking too, not the layer
+    /// distance alone: an encoder pass's later layers read ahead over experts of its earlier
+    /// ones (both "not needed again in this forward call"), which the next document's encoder
+    /// then missed (BENCHMARKS §11.3).
     fn room_for_next(&self, ctx: &AccessContext<'_>) -> bool {
         let Some(computing) = self.in_use else {
             return true;
         };
+        let unpinned: Vec<ExpertId> = ctx
+            .pinned
+            .iter()
+            .copied()
+            .filter(|&id| id != computing)
+            .collect();
+        let demand_paging = AccessContext {
+            pinned: &unpinned,
+            ..*ctx
+        };
+        if let Some((_, Some(victim))) = self.table.peek_room(&demand_paging) {
+            if victim == computing {
+                return false;
+            }
+        }
         match self.table.peek_room(ctx) {
             None => false,
             Some((_, None)) => true,
