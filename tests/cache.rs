@@ -87,6 +87,40 @@ fn gate_buffer(store: ExpertStore, spec: &ModelSpec, slots: usize) -> ExpertBuff
     .unwrap()
 }
 
+/// A buffer of `slots` under `policy` that reads only a layer's next expert ahead (speculation
+/// capped at 0 bytes), or nothing ahead with `prefetch` false.
+fn next_read_buffer(
+    store: ExpertStore,
+    spec: &ModelSpec,
+    slots: usize,
+    policy: Policy,
+    prefetch: bool,
+) -> ExpertBuffer {
+    ExpertBuffer::with_options(
+        store,
+        spec,
+        &BufferOptions {
+            slots,
+            policy,
+            prefetch,
+            prefetch_cap_bytes: 0,
+            predictor: PredictorKind::Dictionary,
+            stand_in: None,
+        },
+        None,
+    )
+    .unwrap()
+}
+
+/// Expert `expert` of the decoder's block `layer`.
+fn decoder_expert(layer: usize, expert: u16) -> edgemoe::ids::ExpertId {
+    edgemoe::ids::ExpertId {
+        stack: Stack::Decoder,
+        layer: layer as u16,
+        expert,
+    }
+}
+
 /// Fixture `name` converted into a fresh temporary directory (returned with the bundle, which
 /// lives in it).
 fn converted(name: &str) -> (tempfile::TempDir, Bundle) {
@@ -534,20 +568,7 @@ fn reading_the_next_expert_ahead_never_evicts_an_expert_needed_sooner() {
     };
     let decoder_expert = id(Stack::Decoder, dec[0], 1);
     for policy in [Policy::Edgemoe, Policy::Lru, Policy::Lfu, Policy::EdgemoeFd] {
-        let mut buffer = ExpertBuffer::with_options(
-            bundle.open_store().unwrap(),
-            spec,
-            &BufferOptions {
-                slots: 2,
-                policy,
-                prefetch: true,
-                prefetch_cap_bytes: 0,
-                predictor: PredictorKind::Dictionary,
-                stand_in: None,
-            },
-            None,
-        )
-        .unwrap();
+        let mut buffer = next_read_buffer(bundle.open_store().unwrap(), spec, 2, policy, true);
         // A decode step leaves a decoder expert in the buffer.
         buffer.begin_step(Stack::Decoder);
         buffer.routed(Stack::Decoder, dec[0], 1, &[1]).unwrap();
@@ -603,20 +624,7 @@ fn reading_the_next_expert_ahead_evicts_what_its_demand_read_would() {
         id(Stack::Encoder, enc[1], 3),
     );
     let run = |policy: Policy, prefetch: bool| {
-        let mut buffer = ExpertBuffer::with_options(
-            bundle.open_store().unwrap(),
-            spec,
-            &BufferOptions {
-                slots: 3,
-                policy,
-                prefetch,
-                prefetch_cap_bytes: 0,
-                predictor: PredictorKind::Dictionary,
-                stand_in: None,
-            },
-            None,
-        )
-        .unwrap();
+        let mut buffer = next_read_buffer(bundle.open_store().unwrap(), spec, 3, policy, prefetch);
         // A decode step, then the next document's encoder: its first MoE layer's expert, then
         // the second layer's two, the second read ahead while the first is computed.
         buffer.begin_step(Stack::Decoder);
@@ -720,16 +728,11 @@ fn speculative_reads_start_in_decode_steps_only() {
 /// cancel, so replay frees the slot too.
 #[test]
 fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
-    use edgemoe::ids::ExpertId;
     use edgemoe::model::provider::ExpertProvider;
     let (dir, bundle) = converted("tiny-tied-e4");
     let spec = &bundle.config.model;
     let blocks = spec.moe_blocks(Stack::Decoder);
-    let id = |layer: usize, expert| ExpertId {
-        stack: Stack::Decoder,
-        layer: layer as u16,
-        expert,
-    };
+    let id = decoder_expert;
     let trace = dir.path().join("trace.jsonl");
     let mut buffer = gate_buffer(bundle.open_store().unwrap(), spec, 3);
     buffer.record_trace(&trace).unwrap();
@@ -783,18 +786,13 @@ fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
 /// check; without it every prediction would queue on the device ahead of the next demand).
 #[test]
 fn speculative_reads_in_flight_stay_within_the_queue_depth() {
-    use edgemoe::ids::ExpertId;
     use edgemoe::model::provider::ExpertProvider;
     use edgemoe::store::ReadPacer;
     use std::time::Duration;
     let (_dir, bundle) = converted("tiny-tied-e4");
     let spec = &bundle.config.model;
     let blocks = spec.moe_blocks(Stack::Decoder);
-    let id = |layer: usize, expert| ExpertId {
-        stack: Stack::Decoder,
-        layer: layer as u16,
-        expert,
-    };
+    let id = decoder_expert;
     // (queue depth, speculative reads expected): three certain predictions, five slots.
     for (depth, expected) in [(1, 1), (2, 2), (4, 3)] {
         // Reads of 300 ms: none finishes while the predictions are handed out.
@@ -830,18 +828,13 @@ fn speculative_reads_in_flight_stay_within_the_queue_depth() {
 /// reported stopped (`prefetch.per_layer[].enabled`).
 #[test]
 fn a_layer_whose_speculative_reads_are_refuted_stops_reading() {
-    use edgemoe::ids::ExpertId;
     use edgemoe::model::provider::ExpertProvider;
     use edgemoe::store::ReadPacer;
     use std::time::Duration;
     let (_dir, bundle) = converted("tiny-tied-e4");
     let spec = &bundle.config.model;
     let blocks = spec.moe_blocks(Stack::Decoder);
-    let id = |layer: usize, expert| ExpertId {
-        stack: Stack::Decoder,
-        layer: layer as u16,
-        expert,
-    };
+    let id = decoder_expert;
     let latency = Duration::from_millis(2);
     let mut store = bundle.open_store().unwrap();
     store.set_queue_depth(1);
@@ -911,18 +904,13 @@ fn a_layer_whose_speculative_reads_are_refuted_stops_reading() {
 /// reads an expert first depends on timing; here the read is certainly speculative.)
 #[test]
 fn a_damaged_expert_read_by_speculation_is_an_error_when_used() {
-    use edgemoe::ids::ExpertId;
     use edgemoe::model::provider::ExpertProvider;
     let dir = tempfile::tempdir().unwrap();
     let path = common::convert_to(&common::fixture("tiny-tied-e4"), dir.path());
     let bundle = Bundle::open(&path).unwrap();
     let spec = &bundle.config.model;
     let blocks = spec.moe_blocks(Stack::Decoder);
-    let id = |layer: usize, expert| ExpertId {
-        stack: Stack::Decoder,
-        layer: layer as u16,
-        expert,
-    };
+    let id = decoder_expert;
     let damaged = id(blocks[1], 2);
     common::checkpoint::flip_expert_byte(&path, damaged);
     let mut buffer = gate_buffer(Bundle::open(&path).unwrap().open_store().unwrap(), spec, 4);

@@ -404,6 +404,27 @@ fn a_damaged_expert_is_an_error_in_mmap_mode() {
     }
 }
 
+/// A copy of the demo store under `dir` with none of its pages cached, or `None` (said on
+/// stderr) where the page cache cannot be dropped.
+fn demo_store_out_of_the_page_cache(dir: &Path) -> Option<ExpertStore> {
+    use edgemoe::weights::MappedBytes;
+    let bundle = common::checkpoint::copy_dir(demo_bundle(), dir);
+    let store = Bundle::open(&bundle).unwrap().open_store().unwrap();
+    let path = store.path();
+    let file_len = std::fs::metadata(path).unwrap().len() as usize;
+    // Written back first: the kernel drops clean pages only.
+    std::fs::File::open(path).unwrap().sync_all().unwrap();
+    store.drop_page_cache();
+    if MappedBytes::open(path).unwrap().missing_bytes(0, file_len) == 0 {
+        eprintln!(
+            "skipped: the page cache of {} cannot be dropped here",
+            path.display()
+        );
+        return None;
+    }
+    Some(store)
+}
+
 /// `mmap` mode pays for every page the kernel reads into the map, not only the pages an expert
 /// misses when it is touched: pages brought in beside a touch (the kernel's read-ahead past an
 /// expert's end reaches megabytes into the next ones) or between two touches are paced and
@@ -414,23 +435,12 @@ fn mmap_mode_pays_for_pages_the_kernel_reads_ahead() {
 
     use edgemoe::model::provider::ExpertProvider;
     use edgemoe::runtime::modes::MappedExperts;
-    use edgemoe::weights::MappedBytes;
 
     let dir = tempfile::tempdir().unwrap();
-    let bundle = common::checkpoint::copy_dir(demo_bundle(), dir.path());
-    let store = Bundle::open(&bundle).unwrap().open_store().unwrap();
-    let path = store.path().to_path_buf();
-    let file_len = std::fs::metadata(&path).unwrap().len() as usize;
-    // Written back first: the kernel drops clean pages only.
-    std::fs::File::open(&path).unwrap().sync_all().unwrap();
-    store.drop_page_cache();
-    if MappedBytes::open(&path).unwrap().missing_bytes(0, file_len) == 0 {
-        eprintln!(
-            "skipped: the page cache of {} cannot be dropped here",
-            path.display()
-        );
+    let Some(store) = demo_store_out_of_the_page_cache(dir.path()) else {
         return;
-    }
+    };
+    let path = store.path().to_path_buf();
     let ids: Vec<ExpertId> = store.index().experts.iter().map(|e| e.id).collect();
     let (first, last) = (ids[0], *ids.last().unwrap());
     let span = |id: ExpertId| {
@@ -465,23 +475,11 @@ fn mmap_mode_pays_for_pages_the_kernel_reads_ahead() {
 fn mmap_touches_that_page_in_take_the_time_their_profile_says() {
     use edgemoe::model::provider::ExpertProvider;
     use edgemoe::runtime::modes::MappedExperts;
-    use edgemoe::weights::MappedBytes;
 
     let dir = tempfile::tempdir().unwrap();
-    let bundle = common::checkpoint::copy_dir(demo_bundle(), dir.path());
-    let store = Bundle::open(&bundle).unwrap().open_store().unwrap();
-    let path = store.path().to_path_buf();
-    let file_len = std::fs::metadata(&path).unwrap().len() as usize;
-    // Written back first: the kernel drops clean pages only.
-    std::fs::File::open(&path).unwrap().sync_all().unwrap();
-    store.drop_page_cache();
-    if MappedBytes::open(&path).unwrap().missing_bytes(0, file_len) == 0 {
-        eprintln!(
-            "skipped: the page cache of {} cannot be dropped here",
-            path.display()
-        );
+    let Some(store) = demo_store_out_of_the_page_cache(dir.path()) else {
         return;
-    }
+    };
     let ids: Vec<ExpertId> = store.index().experts.iter().map(|e| e.id).collect();
     // A device whose every read takes 25 ms, whatever its size: far above what paging in a
     // few hundred KiB takes here, so only waiting for the device can reach it.
