@@ -121,6 +121,16 @@ fn decoder_expert(layer: usize, expert: u16) -> edgemoe::ids::ExpertId {
     }
 }
 
+/// Waits until the buffer's queued reads have all started (a started read completes; a queued
+/// one can still be taken back or upgraded).
+fn wait_until_reads_start(buffer: &ExpertBuffer) {
+    let started = std::time::Instant::now();
+    while buffer.io().unwrap().queued().iter().sum::<usize>() > 0 {
+        assert!(started.elapsed().as_secs() < 30, "the read never started");
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
 /// Fixture `name` converted into a fresh temporary directory (returned with the bundle, which
 /// lives in it).
 fn converted(name: &str) -> (tempfile::TempDir, Bundle) {
@@ -747,11 +757,7 @@ fn a_speculative_load_its_router_refutes_gives_its_slot_back() {
     buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
     buffer.expert(id(blocks[0], 0), None).unwrap();
     assert_eq!(buffer.stats().prefetch.issued, 1, "the speculative read");
-    let started = std::time::Instant::now();
-    while buffer.io().unwrap().queued().iter().sum::<usize>() > 0 {
-        assert!(started.elapsed().as_secs() < 30, "the read never started");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    wait_until_reads_start(&buffer);
     // The second block routes to expert 3 instead; its demand read waits behind the started
     // one (one channel), so that one has arrived by the next step.
     buffer.routed(Stack::Decoder, blocks[1], 1, &[3]).unwrap();
@@ -857,11 +863,7 @@ fn a_layer_whose_speculative_reads_are_refuted_stops_reading() {
         buffer.routed(Stack::Decoder, blocks[0], 1, &[0]).unwrap();
         buffer.expert(id(blocks[0], 0), None).unwrap();
         // Let a speculative read start (one taken back unread would cost nothing).
-        let started = std::time::Instant::now();
-        while buffer.io().unwrap().queued().iter().sum::<usize>() > 0 {
-            assert!(started.elapsed().as_secs() < 30, "the read never started");
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        wait_until_reads_start(&buffer);
         // ... and finish on the device, as it would during the layer's compute on a board (the
         // buffer takes it in at its next call).
         std::thread::sleep(3 * latency);
@@ -922,11 +924,7 @@ fn a_damaged_expert_read_by_speculation_is_an_error_when_used() {
     buffer.expert(id(blocks[0], 0), None).unwrap();
     assert_eq!(buffer.stats().prefetch.issued, 1, "the speculative read");
     // Started as a speculative read (a queued one the model demands becomes a demand read).
-    let started = std::time::Instant::now();
-    while buffer.io().unwrap().queued().iter().sum::<usize>() > 0 {
-        assert!(started.elapsed().as_secs() < 30, "the read never started");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    wait_until_reads_start(&buffer);
     let result = buffer
         .routed(Stack::Decoder, blocks[1], 1, &[2])
         .and_then(|()| buffer.expert(damaged, None).map(|_| ()));

@@ -647,14 +647,12 @@ impl ExpertBuffer {
             pinned: &unpinned,
             ..*ctx
         };
-        if let Some((_, Some(victim))) = self.table.peek_room(&demand_paging) {
-            if victim == computing {
-                return false;
-            }
-        }
-        match self.table.peek_room(ctx) {
+        // One look serves both checks: when the demand read's victim is not the expert in use,
+        // it is also the victim with that expert pinned (the same least of a smaller set).
+        match self.table.peek_room(&demand_paging) {
             None => false,
             Some((_, None)) => true,
+            Some((_, Some(victim))) if victim == computing => false,
             Some((_, Some(victim))) => {
                 // Distance 0: not needed again in this forward call, the latest of all.
                 let due = |id: ExpertId| match self.distance(id) {
